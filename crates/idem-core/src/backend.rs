@@ -1,0 +1,154 @@
+//! The trait each engine implements, and the values it exchanges with the protocol.
+
+use std::error::Error as StdError;
+use std::future::Future;
+use std::time::Duration;
+
+use crate::error::{DbError, ErrorKind};
+use crate::ident::{Key, MessageId, Scope, Subscriber};
+
+/// Which record a call is about.
+#[derive(Debug, Clone, Copy)]
+pub enum Identity<'a> {
+    /// A client request: `(principal, operation, key)`.
+    Request {
+        /// The principal and versioned operation.
+        scope: &'a Scope,
+        /// The client's key.
+        key: &'a Key,
+    },
+    /// A consumed message: `(subscriber, message_id)`.
+    Message {
+        /// The consumer.
+        subscriber: &'a Subscriber,
+        /// The transport's message ID.
+        message_id: &'a MessageId,
+    },
+}
+
+/// What the protocol asks a backend to claim.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim<'a> {
+    /// The record's identity.
+    pub id: Identity<'a>,
+    /// Canonical JSON of the request (or of the message's payload fingerprint).
+    pub request: Option<&'a str>,
+    /// Records older than this (by the database clock) are expired: they no longer
+    /// replay, and a claim replaces them.
+    pub retention: Duration,
+}
+
+/// How a stored response ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    /// The effect succeeded; the response is its result.
+    Succeeded,
+    /// A final business rejection stored by explicit opt-in.
+    Rejected,
+}
+
+impl Status {
+    /// The stored code (`0` or `1`).
+    pub fn code(self) -> i16 {
+        match self {
+            Self::Succeeded => 0,
+            Self::Rejected => 1,
+        }
+    }
+
+    /// Reads a stored code.
+    pub fn from_code(code: i64) -> Result<Self, DbError> {
+        match code {
+            0 => Ok(Self::Succeeded),
+            1 => Ok(Self::Rejected),
+            other => Err(DbError::new("idem", ErrorKind::CorruptRecord, format!("unknown status code {other}"))),
+        }
+    }
+}
+
+/// A live (unexpired, committed) record as the backend read it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Stored {
+    /// The stored request (or payload fingerprint) as JSON text, if any.
+    pub request: Option<String>,
+    /// The stored response as JSON text. `None` only for messages; a request record
+    /// without a response is an unfinished placeholder that must never be seen.
+    pub response: Option<String>,
+    /// How the stored response ended.
+    pub status: Status,
+}
+
+/// The result of [`Backend::claim`].
+#[derive(Debug)]
+pub enum Claimed<Tx> {
+    /// This caller owns the identity inside the open transaction `Tx`: run the effect.
+    Won(Tx),
+    /// A committed, live record exists; the backend has already ended its transaction.
+    Found(Stored),
+}
+
+/// How to end a won transaction.
+#[derive(Debug, Clone, Copy)]
+pub enum Finish<'a> {
+    /// Store `response` (JSON) with `status`, then commit record and effect together.
+    Commit {
+        /// The response to store; `None` for messages.
+        response: Option<&'a str>,
+        /// How it ended.
+        status: Status,
+    },
+    /// Roll back record and effect.
+    Rollback,
+}
+
+/// Which table a purge cleans.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Table {
+    /// Request records.
+    Requests,
+    /// Processed-message records.
+    Messages,
+}
+
+/// One engine's implementation of the idempotency-record protocol.
+///
+/// An engine supplies SQL, error codes and transactions; the protocol (fast-path replay,
+/// claim, compare, effect, complete, retries) lives once in [`crate::Idem`].
+///
+/// A backend must guarantee:
+/// - `claim` makes concurrent claims of one identity wait for each other: exactly one
+///   gets [`Claimed::Won`]; the others wait until it ends and then get
+///   [`Claimed::Found`] (it committed) or win themselves (it rolled back);
+/// - an expired record (older than [`Claim::retention`]) is replaced by a claim and
+///   never returned by `lookup` or `claim`;
+/// - no session other than the winner ever sees a record without its response.
+pub trait Backend: Send + Sync + 'static {
+    /// The engine's open transaction, handed to effects so their SQL commits or rolls
+    /// back with the record.
+    type Tx: Send + 'static;
+
+    /// Reads a live record without a write transaction (the replay fast path).
+    fn lookup(&self, claim: &Claim<'_>) -> impl Future<Output = Result<Option<Stored>, DbError>> + Send;
+
+    /// Begins a transaction and claims the identity.
+    fn claim(&self, claim: &Claim<'_>) -> impl Future<Output = Result<Claimed<Self::Tx>, DbError>> + Send;
+
+    /// Completes (stores the response, commits) or rolls back a won transaction.
+    fn finish(&self, tx: Self::Tx, claim: &Claim<'_>, end: Finish<'_>)
+    -> impl Future<Output = Result<(), DbError>> + Send;
+
+    /// Classifies a driver error found in an effect's error chain, by code, so that
+    /// deadlocks and serialization failures inside the effect are retried too.
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind>;
+}
+
+/// Schema and housekeeping, separate from the protocol.
+pub trait Maintenance: Backend {
+    /// Applies the embedded migrations not yet applied; returns the versions applied.
+    fn migrate(&self) -> impl Future<Output = Result<Vec<u32>, DbError>> + Send;
+
+    /// Deletes at most `limit` records of `table` older than `older_than` (by the
+    /// database clock) in one statement; returns how many it deleted.
+    fn purge_batch(&self, table: Table, older_than: Duration, limit: u32)
+    -> impl Future<Output = Result<u64, DbError>> + Send;
+}

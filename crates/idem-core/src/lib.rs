@@ -1,0 +1,26 @@
+//! The idempotency-record protocol, independent of any database driver.
+//!
+//! A client sends a key with a write. [`Idem`] stores the key, scoped by the
+//! authenticated principal and the versioned operation ([`Scope`]), with the canonical
+//! [`Request`] and the final response, in the same transaction as the local effect.
+//! A retry with the same key and request returns the stored response
+//! ([`Outcome::Replayed`]); the same key with a different request is refused
+//! ([`Error::KeyReused`]); concurrent retries are resolved by the primary key.
+//!
+//! Engines implement the small [`Backend`] trait (`idem-sqlite`, `idem-postgres`,
+//! `idem-mysql`, `idem-mssql`, `idem-oracle`); the protocol itself lives here once.
+
+mod backend;
+mod error;
+mod ident;
+mod migrate;
+mod protocol;
+mod request;
+
+pub use backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
+pub use error::{DbError, Error, ErrorKind, InvalidInput};
+pub use ident::{DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber};
+pub use migrate::Migration;
+pub use protocol::{BoxFuture, Consumed, Idem, Outcome, PurgeReport, RetryPolicy};
+pub use request::Request;
+pub use serde_json;

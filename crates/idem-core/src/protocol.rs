@@ -1,0 +1,504 @@
+//! The protocol, written once for every engine.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
+use crate::error::{DbError, Error, ErrorKind};
+use crate::ident::{DEFAULT_RETENTION, Key, MessageId, Scope, Subscriber};
+use crate::request::Request;
+
+/// A boxed, sendable future: what an effect returns.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What an idempotent call did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome<R> {
+    /// The effect ran in this call and its response was stored with it.
+    Executed(R),
+    /// An earlier call with the same key and request committed; this is its stored
+    /// response (never recomputed from today's state).
+    Replayed(R),
+}
+
+impl<R> Outcome<R> {
+    /// The response, whichever way it was obtained.
+    pub fn into_inner(self) -> R {
+        match self {
+            Self::Executed(r) | Self::Replayed(r) => r,
+        }
+    }
+
+    /// The response by reference.
+    pub fn response(&self) -> &R {
+        match self {
+            Self::Executed(r) | Self::Replayed(r) => r,
+        }
+    }
+
+    /// Whether this call replayed a stored response.
+    pub fn is_replayed(&self) -> bool {
+        matches!(self, Self::Replayed(_))
+    }
+}
+
+/// What consuming a message did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Consumed<R> {
+    /// The effect ran and the message ID was recorded with it: acknowledge now.
+    Applied(R),
+    /// This subscriber already processed the message: acknowledge without effect.
+    Duplicate,
+}
+
+/// Bounded retries of whole transactions, with full-jitter exponential backoff.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Transactions tried at most, the first included.
+    pub max_attempts: u32,
+    /// The first backoff's upper bound.
+    pub base_delay: Duration,
+    /// No backoff exceeds this.
+    pub max_delay: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self { max_attempts: 10, base_delay: Duration::from_millis(2), max_delay: Duration::from_millis(250) }
+    }
+}
+
+impl RetryPolicy {
+    /// The pause before attempt `attempt + 1`: uniform in `0..=min(max, base·2^(attempt-1))`.
+    pub fn backoff(&self, attempt: u32) -> Duration {
+        let exp = self.base_delay.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+        let cap = exp.min(self.max_delay);
+        let micros = u64::try_from(cap.as_micros()).unwrap_or(u64::MAX);
+        Duration::from_micros(fastrand::u64(0..=micros))
+    }
+}
+
+/// An uninhabited response type: `execute` never stores rejections.
+#[derive(Debug)]
+enum Never {}
+
+impl Serialize for Never {
+    fn serialize<S: serde::Serializer>(&self, _: S) -> Result<S::Ok, S::Error> {
+        match *self {}
+    }
+}
+
+enum Done<R, J> {
+    Executed(Result<R, J>),
+    Replayed(Status, Value),
+}
+
+enum Step<E> {
+    Retry(DbError),
+    Fail(Error<E>),
+}
+
+impl<E> From<DbError> for Step<E> {
+    fn from(e: DbError) -> Self {
+        if e.kind().is_retryable() { Step::Retry(e) } else { Step::Fail(Error::Backend(e)) }
+    }
+}
+
+/// What a purge deleted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PurgeReport {
+    /// Request records deleted.
+    pub requests: u64,
+    /// Processed-message records deleted.
+    pub messages: u64,
+    /// Delete statements run.
+    pub batches: u32,
+}
+
+/// The idempotency client: a backend plus the protocol.
+///
+/// ```no_run
+/// # async fn demo<B: idem_core::Backend>(idem: idem_core::Idem<B>) -> Result<(), Box<dyn std::error::Error>> {
+/// use idem_core::{Key, Operation, Outcome, Principal, Request, Scope};
+/// let scope = Scope::new(Principal::new("account-1")?, Operation::new("debit", 1)?);
+/// let key = Key::new("checkout-42")?;
+/// let request = Request::new(serde_json::json!({"amount": 100}));
+/// # Ok(()) }
+/// ```
+pub struct Idem<B> {
+    backend: B,
+    retry: RetryPolicy,
+    message_retention: Duration,
+    fast_path: bool,
+}
+
+impl<B: fmt::Debug> fmt::Debug for Idem<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Idem")
+            .field("backend", &self.backend)
+            .field("retry", &self.retry)
+            .field("message_retention", &self.message_retention)
+            .field("fast_path", &self.fast_path)
+            .finish()
+    }
+}
+
+impl<B: Clone> Clone for Idem<B> {
+    fn clone(&self) -> Self {
+        Self { backend: self.backend.clone(), ..*self }
+    }
+}
+
+impl<B: Backend> Idem<B> {
+    /// Wraps a backend with the default retry policy and a 24-hour message retention.
+    pub fn new(backend: B) -> Self {
+        Self { backend, retry: RetryPolicy::default(), message_retention: DEFAULT_RETENTION, fast_path: true }
+    }
+
+    /// Sets the retry policy for busy databases, deadlocks and serialization failures.
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// Sets how long processed message IDs are remembered (the longest redelivery window).
+    #[must_use]
+    pub fn with_message_retention(mut self, retention: Duration) -> Self {
+        self.message_retention = retention;
+        self
+    }
+
+    /// Turns the read-only replay fast path on (default) or off. With it, a replay costs
+    /// one read and no write transaction; without it, a new request saves that read.
+    #[must_use]
+    pub fn with_fast_path(mut self, on: bool) -> Self {
+        self.fast_path = on;
+        self
+    }
+
+    /// The backend.
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    /// Runs `effect` once per `(scope, key)`: the first call runs it in the engine's
+    /// transaction and commits its response with the record; a retry with an equal
+    /// request gets the stored response; a different request is refused with
+    /// [`Error::KeyReused`]. An effect error rolls everything back and stores nothing.
+    pub async fn execute<R, E, F>(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        request: &Request,
+        mut effect: F,
+    ) -> Result<Outcome<R>, Error<E>>
+    where
+        R: Serialize + DeserializeOwned + Send + 'static,
+        E: StdError + Send + Sync + 'static,
+        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
+    {
+        let done = self
+            .run_request::<R, Never, E, _>(scope, key, request, |tx| {
+                let fut = effect(tx);
+                Box::pin(async move { fut.await.map(Ok) })
+            })
+            .await?;
+        match done {
+            Done::Executed(Ok(r)) => Ok(Outcome::Executed(r)),
+            Done::Executed(Err(never)) => match never {},
+            Done::Replayed(Status::Succeeded, v) => serde_json::from_value(v).map(Outcome::Replayed).map_err(Error::Decode),
+            Done::Replayed(Status::Rejected, v) => Err(Error::StoredRejection(v)),
+        }
+    }
+
+    /// Like [`Idem::execute`], with the explicit policy of storing final business
+    /// rejections: the effect returns `Ok(Err(rejection))` for a final answer that must
+    /// replay (its own writes are rolled back, the rejection is stored), and `Err(e)` for
+    /// a failure that stores nothing.
+    pub async fn execute_final<R, J, E, F>(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        request: &Request,
+        effect: F,
+    ) -> Result<Outcome<Result<R, J>>, Error<E>>
+    where
+        R: Serialize + DeserializeOwned + Send + 'static,
+        J: Serialize + DeserializeOwned + Send + 'static,
+        E: StdError + Send + Sync + 'static,
+        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<R, J>, E>> + Send,
+    {
+        match self.run_request(scope, key, request, effect).await? {
+            Done::Executed(r) => Ok(Outcome::Executed(r)),
+            Done::Replayed(Status::Succeeded, v) => {
+                serde_json::from_value(v).map(|r| Outcome::Replayed(Ok(r))).map_err(Error::Decode)
+            }
+            Done::Replayed(Status::Rejected, v) => {
+                serde_json::from_value(v).map(|j| Outcome::Replayed(Err(j))).map_err(Error::Decode)
+            }
+        }
+    }
+
+    /// Applies a message's effect once per `(subscriber, message_id)`, recording the ID
+    /// in the effect's transaction. Acknowledge to the broker only after this returns
+    /// `Ok`. With `payload`, a known ID carrying a different payload is refused with
+    /// [`Error::PayloadMismatch`] (compared only when both deliveries carried one).
+    pub async fn consume<R, E, F>(
+        &self,
+        subscriber: &Subscriber,
+        message_id: &MessageId,
+        payload: Option<&Request>,
+        mut effect: F,
+    ) -> Result<Consumed<R>, Error<E>>
+    where
+        R: Send + 'static,
+        E: StdError + Send + Sync + 'static,
+        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
+    {
+        let text = payload.map(Request::to_json);
+        let claim = Claim {
+            id: Identity::Message { subscriber, message_id },
+            request: text.as_deref(),
+            retention: self.message_retention,
+        };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let step = async {
+                let tx = match self.backend.claim(&claim).await? {
+                    Claimed::Found(stored) => {
+                        if let (Some(supplied), Some(stored)) = (payload, stored.request.as_deref()) {
+                            let stored = parse_stored(stored).map_err(Step::Fail)?;
+                            if &stored != supplied {
+                                return Err(Step::Fail(Error::PayloadMismatch {
+                                    stored: stored.value().clone(),
+                                    supplied: supplied.value().clone(),
+                                }));
+                            }
+                        }
+                        return Ok(Consumed::Duplicate);
+                    }
+                    Claimed::Won(tx) => tx,
+                };
+                let r = self.run_effect(tx, &claim, &mut effect).await?;
+                let (tx, r) = r;
+                self.backend.finish(tx, &claim, Finish::Commit { response: None, status: Status::Succeeded }).await?;
+                Ok(Consumed::Applied(r))
+            };
+            match step.await {
+                Ok(done) => return Ok(done),
+                Err(step) => self.next_attempt(step, attempt).await?,
+            }
+        }
+    }
+
+    async fn run_request<R, J, E, F>(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        request: &Request,
+        mut effect: F,
+    ) -> Result<Done<R, J>, Error<E>>
+    where
+        R: Serialize + Send + 'static,
+        J: Serialize + Send + 'static,
+        E: StdError + Send + Sync + 'static,
+        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<R, J>, E>> + Send,
+    {
+        let text = request.to_json();
+        let claim = Claim {
+            id: Identity::Request { scope, key },
+            request: Some(&text),
+            retention: scope.operation.retention(),
+        };
+        let mut attempt = 0;
+        if self.fast_path {
+            loop {
+                attempt += 1;
+                match self.backend.lookup(&claim).await {
+                    Ok(Some(stored)) => return replay(&stored, request),
+                    Ok(None) => break,
+                    Err(e) => self.next_attempt(Step::from(e), attempt).await?,
+                }
+            }
+        }
+        let mut rejection: Option<J> = None;
+        attempt = 0;
+        loop {
+            attempt += 1;
+            let step = async {
+                let tx = match self.backend.claim(&claim).await? {
+                    Claimed::Found(stored) => return replay(&stored, request).map_err(Step::Fail),
+                    Claimed::Won(tx) => tx,
+                };
+                // A rejection the effect returned earlier is stored on its own, without
+                // running the effect again.
+                if let Some(j) = rejection.take() {
+                    let json = to_json(&j)?;
+                    self.backend.finish(tx, &claim, Finish::Commit { response: Some(&json), status: Status::Rejected }).await?;
+                    return Ok(Done::Executed(Err(j)));
+                }
+                let (tx, result) = self.run_effect(tx, &claim, &mut effect).await?;
+                match result {
+                    Ok(r) => {
+                        let json = match to_json(&r) {
+                            Ok(json) => json,
+                            Err(e) => {
+                                self.backend.finish(tx, &claim, Finish::Rollback).await?;
+                                return Err(e);
+                            }
+                        };
+                        self.backend.finish(tx, &claim, Finish::Commit { response: Some(&json), status: Status::Succeeded }).await?;
+                        Ok(Done::Executed(Ok(r)))
+                    }
+                    Err(j) => {
+                        // Final rejection: drop the effect's writes, then store the
+                        // rejection in a transaction of its own.
+                        self.backend.finish(tx, &claim, Finish::Rollback).await?;
+                        rejection = Some(j);
+                        Err(Step::Retry(DbError::new("idem", ErrorKind::Transient, "storing a final rejection")))
+                    }
+                }
+            };
+            match step.await {
+                Ok(done) => return Ok(done),
+                Err(Step::Retry(e)) if rejection.is_some() && e.kind() == ErrorKind::Transient => {
+                    attempt -= 1;
+                }
+                Err(step) => self.next_attempt(step, attempt).await?,
+            }
+        }
+    }
+
+    /// Runs the effect in a won transaction. On failure the transaction is rolled back
+    /// and the error classified: retryable engine errors start a new attempt.
+    async fn run_effect<T, E, F>(&self, mut tx: B::Tx, claim: &Claim<'_>, effect: &mut F) -> Result<(B::Tx, T), Step<E>>
+    where
+        E: StdError + Send + Sync + 'static,
+        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<T, E>> + Send,
+    {
+        match effect(&mut tx).await {
+            Ok(r) => Ok((tx, r)),
+            Err(e) => {
+                self.backend.finish(tx, claim, Finish::Rollback).await?;
+                match self.classify_chain(&e) {
+                    Some(kind) if kind.is_retryable() => {
+                        let msg = e.to_string();
+                        Err(Step::Retry(DbError::new("effect", kind, msg).with_source(e)))
+                    }
+                    _ => Err(Step::Fail(Error::Effect(e))),
+                }
+            }
+        }
+    }
+
+    fn classify_chain(&self, e: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        let mut cur = Some(e);
+        while let Some(err) = cur {
+            if let Some(db) = err.downcast_ref::<DbError>() {
+                return Some(db.kind());
+            }
+            if let Some(kind) = self.backend.classify(err) {
+                return Some(kind);
+            }
+            cur = err.source();
+        }
+        None
+    }
+
+    /// Sleeps before the next attempt, or turns the step into the final error.
+    async fn next_attempt<E>(&self, step: Step<E>, attempt: u32) -> Result<(), Error<E>> {
+        match step {
+            Step::Fail(e) => Err(e),
+            Step::Retry(last) if attempt >= self.retry.max_attempts => Err(Error::RetriesExhausted { attempts: attempt, last }),
+            Step::Retry(_) => {
+                tokio::time::sleep(self.retry.backoff(attempt)).await;
+                Ok(())
+            }
+        }
+    }
+}
+
+impl<B: Maintenance> Idem<B> {
+    /// Applies the backend's embedded migrations; returns the versions applied now.
+    pub async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        self.backend.migrate().await
+    }
+
+    /// Deletes records older than `older_than` in batches of at most `batch` rows, each
+    /// its own statement, until none is left. Never pass less than the longest retention
+    /// you promise: a record inside its window is what an active retry needs.
+    pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
+        if batch == 0 {
+            return Err(DbError::new("idem", ErrorKind::Configuration, "purge batch size must be at least 1"));
+        }
+        let mut report = PurgeReport::default();
+        for table in [Table::Requests, Table::Messages] {
+            loop {
+                let n = self.backend.purge_batch(table, older_than, batch).await?;
+                report.batches += 1;
+                match table {
+                    Table::Requests => report.requests += n,
+                    Table::Messages => report.messages += n,
+                }
+                if n < u64::from(batch) {
+                    break;
+                }
+            }
+        }
+        Ok(report)
+    }
+}
+
+fn to_json<T: Serialize, E>(value: &T) -> Result<String, Step<E>> {
+    serde_json::to_string(value).map_err(|e| Step::Fail(Error::Decode(e)))
+}
+
+fn parse_stored<E>(text: &str) -> Result<Request, Error<E>> {
+    serde_json::from_str::<Value>(text)
+        .map(Request::new)
+        .map_err(|e| Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, format!("stored JSON is unreadable: {e}"))))
+}
+
+fn replay<R, J, E>(stored: &Stored, supplied: &Request) -> Result<Done<R, J>, Error<E>> {
+    let Some(stored_request) = stored.request.as_deref() else {
+        return Err(Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, "stored record has no request")));
+    };
+    let stored_request = parse_stored(stored_request)?;
+    if &stored_request != supplied {
+        return Err(Error::KeyReused { stored: stored_request.value().clone(), supplied: supplied.value().clone() });
+    }
+    let Some(response) = stored.response.as_deref() else {
+        return Err(Error::Backend(DbError::new(
+            "idem",
+            ErrorKind::CorruptRecord,
+            "a record without its response was visible outside its transaction",
+        )));
+    };
+    let response = serde_json::from_str(response).map_err(|e| {
+        Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, format!("stored response is unreadable: {e}")))
+    })?;
+    Ok(Done::Replayed(stored.status, response))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_is_bounded_and_grows() {
+        let p = RetryPolicy { max_attempts: 5, base_delay: Duration::from_millis(4), max_delay: Duration::from_millis(50) };
+        for attempt in 1..40 {
+            assert!(p.backoff(attempt) <= Duration::from_millis(50));
+        }
+        assert!(p.backoff(1) <= Duration::from_millis(4));
+    }
+}

@@ -1,0 +1,76 @@
+//! SQLite result codes idem classifies (primary and extended codes).
+
+use idem_core::{DbError, ErrorKind};
+
+/// The database file is locked by another connection.
+pub const SQLITE_BUSY: i32 = 5;
+/// A table is locked (shared cache).
+pub const SQLITE_LOCKED: i32 = 6;
+/// A constraint failed.
+pub const SQLITE_CONSTRAINT: i32 = 19;
+/// A DEFERRED transaction's read snapshot went stale before it could write.
+pub const SQLITE_BUSY_SNAPSHOT: i32 = 517;
+/// A PRIMARY KEY constraint failed.
+pub const SQLITE_CONSTRAINT_PRIMARYKEY: i32 = 1555;
+/// A UNIQUE constraint failed.
+pub const SQLITE_CONSTRAINT_UNIQUE: i32 = 2067;
+
+/// What an extended result code means for the protocol.
+pub fn kind_of(extended_code: i32) -> ErrorKind {
+    match extended_code {
+        SQLITE_CONSTRAINT_PRIMARYKEY | SQLITE_CONSTRAINT_UNIQUE => ErrorKind::UniqueViolation,
+        c if c & 0xff == SQLITE_BUSY || c & 0xff == SQLITE_LOCKED => ErrorKind::Busy,
+        _ => ErrorKind::Other,
+    }
+}
+
+/// Classifies a rusqlite error by its result code.
+pub fn classify(e: &rusqlite::Error) -> ErrorKind {
+    match e {
+        rusqlite::Error::SqliteFailure(f, _) => kind_of(f.extended_code),
+        _ => ErrorKind::Other,
+    }
+}
+
+/// Wraps a rusqlite error, keeping its extended result code.
+pub fn db_error(e: rusqlite::Error) -> DbError {
+    let kind = classify(&e);
+    let code = match &e {
+        rusqlite::Error::SqliteFailure(f, _) => Some(f.extended_code.to_string()),
+        _ => None,
+    };
+    let err = DbError::new("sqlite", kind, e.to_string());
+    let err = match code {
+        Some(code) => err.with_code(code),
+        None => err,
+    };
+    err.with_source(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_classify() {
+        assert_eq!(kind_of(SQLITE_CONSTRAINT_PRIMARYKEY), ErrorKind::UniqueViolation);
+        assert_eq!(kind_of(SQLITE_CONSTRAINT_UNIQUE), ErrorKind::UniqueViolation);
+        assert_eq!(kind_of(SQLITE_BUSY), ErrorKind::Busy);
+        assert_eq!(kind_of(SQLITE_BUSY_SNAPSHOT), ErrorKind::Busy);
+        assert_eq!(kind_of(SQLITE_LOCKED), ErrorKind::Busy);
+        assert_eq!(kind_of(SQLITE_CONSTRAINT), ErrorKind::Other, "NOT NULL/CHECK are not duplicates");
+        assert_eq!(kind_of(275), ErrorKind::Other, "SQLITE_CONSTRAINT_CHECK");
+    }
+
+    #[test]
+    fn real_errors_classify() {
+        let conn = rusqlite::Connection::open_in_memory().unwrap_or_else(|e| panic!("{e}"));
+        conn.execute_batch("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER CHECK (v > 0)); INSERT INTO t VALUES ('k', 1);")
+            .unwrap_or_else(|e| panic!("{e}"));
+        let dup = conn.execute("INSERT INTO t VALUES ('k', 2)", []).unwrap_err();
+        let err = db_error(dup);
+        assert_eq!((err.kind(), err.code()), (ErrorKind::UniqueViolation, Some("1555")));
+        let check = conn.execute("INSERT INTO t VALUES ('j', 0)", []).unwrap_err();
+        assert_eq!(classify(&check), ErrorKind::Other);
+    }
+}

@@ -1,0 +1,460 @@
+//! SQLite backend for [idem](https://docs.rs/idem): idempotency records in the same
+//! SQLite transaction as your effect.
+//!
+//! - Every attempt runs in `BEGIN IMMEDIATE`: SQLite has one writer at a time, and an
+//!   immediate transaction takes the write lock before it reads, so a DEFERRED
+//!   transaction's `SQLITE_BUSY_SNAPSHOT` cannot happen. While it holds the lock, the
+//!   claim reads the key; the record is then written **once**, with its final response,
+//!   just before `COMMIT` (no placeholder is ever written).
+//! - Waiting writers use a busy timeout (5 s by default) and the protocol's bounded,
+//!   jittered retry on `SQLITE_BUSY`.
+//! - rusqlite is blocking: every call runs on tokio's blocking pool
+//!   ([`tokio::task::spawn_blocking`]), never on the async worker threads. Effects get
+//!   a [`SqliteTx`] and run their SQL with [`SqliteTx::run`].
+//! - Files use WAL, so replays (plain reads) never wait for the writer. `sqlite::memory:`
+//!   databases have one connection, so concurrent calls queue for it.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::{Idem, Key, Operation, Principal, Request, Scope};
+//! use idem_sqlite::SqliteBackend;
+//!
+//! let idem = Idem::new(SqliteBackend::connect("sqlite://app.db").await?);
+//! idem.migrate().await?;
+//! let scope = Scope::new(Principal::new("user-7")?, Operation::new("debit", 1)?);
+//! let outcome = idem
+//!     .execute(&scope, &Key::new("checkout-42")?, &Request::new(serde_json::json!({"amount": 100})), |tx| {
+//!         Box::pin(async move {
+//!             tx.run(|c| c.execute("UPDATE account SET balance = balance - 100 WHERE id = 1", []))
+//!                 .await
+//!                 .map(|_| serde_json::json!({"ok": true}))
+//!         })
+//!     })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+pub mod error_codes;
+mod sql;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::{
+    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status, Stored, Table,
+};
+pub use rusqlite;
+use rusqlite::{Connection, OptionalExtension, params};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+pub use error_codes::db_error;
+
+/// The migrations embedded from `migrations/sqlite/`.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "0001_idempotency_records.sql",
+    sql: include_str!("../../../migrations/sqlite/0001_idempotency_records.sql"),
+}];
+
+const ENGINE: &str = "sqlite";
+
+/// Where the database lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Location {
+    /// A database file (created if missing).
+    File(PathBuf),
+    /// A private in-memory database, gone when the backend is dropped.
+    Memory,
+}
+
+impl Location {
+    /// Parses the URL forms sqlx accepts: `sqlite::memory:`, `sqlite://idem.db`
+    /// (relative), `sqlite:///abs/path.db`, `sqlite:idem.db`. Query parameters other
+    /// than `mode=rwc` are refused rather than ignored.
+    pub fn parse(url: &str) -> Result<Self, DbError> {
+        let bad = |why: &str| DbError::new(ENGINE, ErrorKind::Configuration, format!("invalid SQLite URL {url:?}: {why}"));
+        let rest = url.strip_prefix("sqlite:").ok_or_else(|| bad("it must start with sqlite:"))?;
+        let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+        for param in query.split('&').filter(|p| !p.is_empty()) {
+            if param != "mode=rwc" {
+                return Err(bad(&format!("unsupported parameter {param:?}")));
+            }
+        }
+        if path == ":memory:" || path == "//:memory:" {
+            return Ok(Self::Memory);
+        }
+        let path = path.strip_prefix("//").unwrap_or(path);
+        if path.is_empty() {
+            return Err(bad("no file path"));
+        }
+        Ok(Self::File(PathBuf::from(path)))
+    }
+}
+
+struct Inner {
+    location: Location,
+    idle: Mutex<Vec<Connection>>,
+    permits: Arc<Semaphore>,
+    busy_timeout: Duration,
+}
+
+/// An idem backend on one SQLite database, with a small pool of connections.
+#[derive(Clone)]
+pub struct SqliteBackend {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for SqliteBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteBackend")
+            .field("location", &self.inner.location)
+            .field("busy_timeout", &self.inner.busy_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SqliteBackend {
+    /// Connects by URL (see [`Location::parse`]).
+    pub async fn connect(url: &str) -> Result<Self, DbError> {
+        Self::open(Location::parse(url)?).await
+    }
+
+    /// Opens a database with up to 16 connections (one for `Memory`) and a 5 s busy
+    /// timeout.
+    pub async fn open(location: Location) -> Result<Self, DbError> {
+        Self::open_with(location, 16, Duration::from_secs(5)).await
+    }
+
+    /// Opens a database with `max_connections` (forced to 1 in memory) and a busy timeout.
+    pub async fn open_with(location: Location, max_connections: usize, busy_timeout: Duration) -> Result<Self, DbError> {
+        let max = if location == Location::Memory { 1 } else { max_connections.max(1) };
+        let backend = Self {
+            inner: Arc::new(Inner {
+                location,
+                idle: Mutex::new(Vec::new()),
+                permits: Arc::new(Semaphore::new(max)),
+                busy_timeout,
+            }),
+        };
+        // Open one connection now so a bad path fails here, not on first use.
+        backend.interact(|_| Ok(())).await?;
+        Ok(backend)
+    }
+
+    /// The database's location.
+    pub fn location(&self) -> &Location {
+        &self.inner.location
+    }
+
+    /// Runs `f` on a pooled connection, outside any idem transaction, on the blocking pool.
+    pub async fn interact<T, F>(&self, f: F) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let mut lease = self.lease().await?;
+        lease.run(move |c| f(c).map_err(db_error)).await
+    }
+
+    async fn lease(&self) -> Result<Lease, DbError> {
+        let permit = Arc::clone(&self.inner.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| DbError::new(ENGINE, ErrorKind::Other, "connection pool closed"))?;
+        let idle = self.inner.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
+        let conn = match idle {
+            Some(conn) => conn,
+            None => {
+                let inner = Arc::clone(&self.inner);
+                tokio::task::spawn_blocking(move || open_connection(&inner.location, inner.busy_timeout))
+                    .await
+                    .map_err(|e| DbError::new(ENGINE, ErrorKind::Other, format!("opening a connection failed: {e}")))??
+            }
+        };
+        Ok(Lease { conn: Some(conn), _permit: permit, inner: Arc::clone(&self.inner) })
+    }
+}
+
+fn open_connection(location: &Location, busy_timeout: Duration) -> Result<Connection, DbError> {
+    let conn = match location {
+        Location::File(path) => Connection::open(path),
+        Location::Memory => Connection::open_in_memory(),
+    }
+    .map_err(|e| {
+        let where_ = match location {
+            Location::File(p) => p.display().to_string(),
+            Location::Memory => ":memory:".into(),
+        };
+        DbError::new(ENGINE, ErrorKind::Connection, format!("cannot open {where_}: {e}")).with_source(e)
+    })?;
+    conn.busy_timeout(busy_timeout).map_err(db_error)?;
+    if matches!(location, Location::File(_)) {
+        conn.pragma_update(None, "journal_mode", "WAL").map_err(db_error)?;
+        conn.pragma_update(None, "synchronous", "NORMAL").map_err(db_error)?;
+    }
+    conn.pragma_update(None, "foreign_keys", "ON").map_err(db_error)?;
+    Ok(conn)
+}
+
+/// A pooled connection, given back on drop unless a transaction was left open.
+struct Lease {
+    conn: Option<Connection>,
+    _permit: OwnedSemaphorePermit,
+    inner: Arc<Inner>,
+}
+
+impl Lease {
+    /// Moves the connection to the blocking pool, runs `f`, and takes it back.
+    async fn run<T, F>(&mut self, f: F) -> T
+    where
+        F: FnOnce(&Connection) -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        let conn = self.conn.take().expect("a lease holds its connection between calls");
+        match tokio::task::spawn_blocking(move || {
+            let out = f(&conn);
+            (conn, out)
+        })
+        .await
+        {
+            Ok((conn, out)) => {
+                self.conn = Some(conn);
+                out
+            }
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => panic!("blocking SQLite task was cancelled: {e}"),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            // A connection left inside a transaction (a cancelled future) is closed,
+            // which rolls it back, instead of going back to the pool.
+            if conn.is_autocommit() {
+                if let Ok(mut idle) = self.inner.idle.lock() {
+                    idle.push(conn);
+                }
+            }
+        }
+    }
+}
+
+/// The open `BEGIN IMMEDIATE` transaction handed to effects.
+pub struct SqliteTx {
+    lease: Lease,
+}
+
+impl fmt::Debug for SqliteTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteTx").finish_non_exhaustive()
+    }
+}
+
+impl SqliteTx {
+    /// Runs `f` on the transaction's connection, on tokio's blocking pool. Everything
+    /// `f` writes commits or rolls back with the idempotency record.
+    pub async fn run<T, F>(&mut self, f: F) -> T
+    where
+        F: FnOnce(&Connection) -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        self.lease.run(f).await
+    }
+}
+
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
+}
+
+fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option<Stored>> {
+    let retention = micros(claim.retention);
+    match &claim.id {
+        IdOwned::Request { principal, operation, key } => conn
+            .prepare_cached(sql::SELECT_REQUEST)?
+            .query_row(params![principal, operation, key, retention], |r| {
+                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+            })
+            .optional()
+            .map(|row| {
+                row.map(|(request, response, status)| Stored {
+                    request: Some(request),
+                    response: Some(response),
+                    status: Status::from_code(status).unwrap_or(Status::Succeeded),
+                })
+            }),
+        IdOwned::Message { subscriber, message_id } => conn
+            .prepare_cached(sql::SELECT_MESSAGE)?
+            .query_row(params![subscriber, message_id, retention], |r| r.get::<_, Option<String>>(0))
+            .optional()
+            .map(|row| row.map(|fingerprint| Stored { request: fingerprint, response: None, status: Status::Succeeded })),
+    }
+}
+
+/// An owned copy of a claim, to move onto the blocking pool.
+#[derive(Clone)]
+struct ClaimOwned {
+    id: IdOwned,
+    request: Option<String>,
+    retention: Duration,
+}
+
+#[derive(Clone)]
+enum IdOwned {
+    Request { principal: String, operation: String, key: String },
+    Message { subscriber: String, message_id: String },
+}
+
+impl From<&Claim<'_>> for ClaimOwned {
+    fn from(c: &Claim<'_>) -> Self {
+        let id = match c.id {
+            Identity::Request { scope, key } => IdOwned::Request {
+                principal: scope.principal.as_str().to_owned(),
+                operation: scope.operation.as_str().to_owned(),
+                key: key.as_str().to_owned(),
+            },
+            Identity::Message { subscriber, message_id } => IdOwned::Message {
+                subscriber: subscriber.as_str().to_owned(),
+                message_id: message_id.as_str().to_owned(),
+            },
+        };
+        Self { id, request: c.request.map(str::to_owned), retention: c.retention }
+    }
+}
+
+impl Backend for SqliteBackend {
+    type Tx = SqliteTx;
+
+    async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
+        let claim = ClaimOwned::from(claim);
+        self.interact(move |c| read_record(c, &claim)).await
+    }
+
+    async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<SqliteTx>, DbError> {
+        let claim = ClaimOwned::from(claim);
+        let mut lease = self.lease().await?;
+        let found = lease
+            .run(move |c| -> Result<Option<Stored>, DbError> {
+                c.execute_batch(sql::BEGIN_IMMEDIATE).map_err(db_error)?;
+                match read_record(c, &claim) {
+                    Ok(None) => Ok(None),
+                    Ok(Some(stored)) => {
+                        c.execute_batch(sql::ROLLBACK).map_err(db_error)?;
+                        Ok(Some(stored))
+                    }
+                    Err(e) => {
+                        let _ = c.execute_batch(sql::ROLLBACK);
+                        Err(db_error(e))
+                    }
+                }
+            })
+            .await?;
+        Ok(match found {
+            Some(stored) => Claimed::Found(stored),
+            None => Claimed::Won(SqliteTx { lease }),
+        })
+    }
+
+    async fn finish(&self, mut tx: SqliteTx, claim: &Claim<'_>, end: Finish<'_>) -> Result<(), DbError> {
+        let claim = ClaimOwned::from(claim);
+        let end = match end {
+            Finish::Commit { response, status } => Some((response.map(str::to_owned), status.code())),
+            Finish::Rollback => None,
+        };
+        tx.lease
+            .run(move |c| -> Result<(), DbError> {
+                let Some((response, status)) = end else {
+                    return c.execute_batch(sql::ROLLBACK).map_err(db_error);
+                };
+                let written = match &claim.id {
+                    IdOwned::Request { principal, operation, key } => c
+                        .prepare_cached(sql::UPSERT_REQUEST)
+                        .and_then(|mut s| s.execute(params![principal, operation, key, claim.request, response, status])),
+                    IdOwned::Message { subscriber, message_id } => c
+                        .prepare_cached(sql::UPSERT_MESSAGE)
+                        .and_then(|mut s| s.execute(params![subscriber, message_id, claim.request])),
+                };
+                match written.and_then(|_| c.execute_batch(sql::COMMIT)) {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        if !c.is_autocommit() {
+                            let _ = c.execute_batch(sql::ROLLBACK);
+                        }
+                        Err(db_error(e))
+                    }
+                }
+            })
+            .await
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        error.downcast_ref::<rusqlite::Error>().map(error_codes::classify)
+    }
+}
+
+impl Maintenance for SqliteBackend {
+    async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        self.interact(|c| {
+            c.execute_batch(sql::BEGIN_IMMEDIATE)?;
+            let applied = (|| {
+                c.execute_batch(sql::CREATE_MIGRATIONS)?;
+                let done: Vec<u32> = c
+                    .prepare(sql::SELECT_MIGRATIONS)?
+                    .query_map([], |r| r.get::<_, u32>(0))?
+                    .collect::<Result<_, _>>()?;
+                let mut applied = Vec::new();
+                for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
+                    c.execute_batch(m.sql)?;
+                    c.execute(sql::INSERT_MIGRATION, params![m.version, m.name])?;
+                    applied.push(m.version);
+                }
+                Ok(applied)
+            })();
+            match applied {
+                Ok(v) => c.execute_batch(sql::COMMIT).map(|()| v),
+                Err(e) => {
+                    let _ = c.execute_batch(sql::ROLLBACK);
+                    Err(e)
+                }
+            }
+        })
+        .await
+    }
+
+    async fn purge_batch(&self, table: Table, older_than: Duration, limit: u32) -> Result<u64, DbError> {
+        let statement = match table {
+            Table::Requests => sql::PURGE_REQUESTS,
+            Table::Messages => sql::PURGE_MESSAGES,
+        };
+        let older = micros(older_than);
+        self.interact(move |c| c.execute(statement, params![older, limit]).map(|n| n as u64)).await
+    }
+}
+
+/// A path's URL, for messages and tests.
+pub fn url_for(path: &Path) -> String {
+    format!("sqlite://{}", path.display())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse_like_sqlx() {
+        let file = |p: &str| Ok::<_, String>(Location::File(PathBuf::from(p)));
+        let parse = |u: &str| Location::parse(u).map_err(|e| e.to_string());
+        assert_eq!(parse("sqlite::memory:"), Ok(Location::Memory));
+        assert_eq!(parse("sqlite://idem.db"), file("idem.db"));
+        assert_eq!(parse("sqlite:///abs/path.db"), file("/abs/path.db"));
+        assert_eq!(parse("sqlite:idem.db"), file("idem.db"));
+        assert_eq!(parse("sqlite://idem.db?mode=rwc"), file("idem.db"));
+        assert!(parse("sqlite://idem.db?mode=ro").unwrap_err().contains("unsupported parameter"));
+        assert!(parse("postgres://x").unwrap_err().contains("must start with sqlite:"));
+        assert!(parse("sqlite://").unwrap_err().contains("no file path"));
+    }
+}
