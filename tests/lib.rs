@@ -1,0 +1,1 @@
+//! Test targets only: `cargo test -p idem-tests --test <engine>`.

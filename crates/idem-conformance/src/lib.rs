@@ -1,0 +1,19 @@
+//! The conformance suite every idem backend runs, and the per-engine fixtures.
+//!
+//! - [`cases`]: the promises, as plain `async fn case<K: Bank>(bank)` functions;
+//! - [`bank`]: the seed's account domain each engine implements ([`Bank`]);
+//! - [`harness`]: one named trial per case per engine (`postgres::keys_are_byte_exact`),
+//!   and the report behind `idem check` and `docs/engines.md`.
+
+pub mod bank;
+pub mod cases;
+pub mod docs;
+pub mod harness;
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+#[cfg(feature = "sqlite")]
+pub mod sqlite;
+
+pub use bank::{Balance, Bank, BankError, Capabilities};
+pub use harness::{Report, Target, run_tests};

@@ -61,7 +61,11 @@ impl Status {
         match code {
             0 => Ok(Self::Succeeded),
             1 => Ok(Self::Rejected),
-            other => Err(DbError::new("idem", ErrorKind::CorruptRecord, format!("unknown status code {other}"))),
+            other => Err(DbError::new(
+                "idem",
+                ErrorKind::CorruptRecord,
+                format!("unknown status code {other}"),
+            )),
         }
     }
 }
@@ -128,14 +132,24 @@ pub trait Backend: Send + Sync + 'static {
     type Tx: Send + 'static;
 
     /// Reads a live record without a write transaction (the replay fast path).
-    fn lookup(&self, claim: &Claim<'_>) -> impl Future<Output = Result<Option<Stored>, DbError>> + Send;
+    fn lookup(
+        &self,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<Option<Stored>, DbError>> + Send;
 
     /// Begins a transaction and claims the identity.
-    fn claim(&self, claim: &Claim<'_>) -> impl Future<Output = Result<Claimed<Self::Tx>, DbError>> + Send;
+    fn claim(
+        &self,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<Claimed<Self::Tx>, DbError>> + Send;
 
     /// Completes (stores the response, commits) or rolls back a won transaction.
-    fn finish(&self, tx: Self::Tx, claim: &Claim<'_>, end: Finish<'_>)
-    -> impl Future<Output = Result<(), DbError>> + Send;
+    fn finish(
+        &self,
+        tx: Self::Tx,
+        claim: &Claim<'_>,
+        end: Finish<'_>,
+    ) -> impl Future<Output = Result<(), DbError>> + Send;
 
     /// Classifies a driver error found in an effect's error chain, by code, so that
     /// deadlocks and serialization failures inside the effect are retried too.
@@ -149,6 +163,10 @@ pub trait Maintenance: Backend {
 
     /// Deletes at most `limit` records of `table` older than `older_than` (by the
     /// database clock) in one statement; returns how many it deleted.
-    fn purge_batch(&self, table: Table, older_than: Duration, limit: u32)
-    -> impl Future<Output = Result<u64, DbError>> + Send;
+    fn purge_batch(
+        &self,
+        table: Table,
+        older_than: Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, DbError>> + Send;
 }

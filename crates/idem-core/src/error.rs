@@ -16,7 +16,10 @@ pub struct InvalidInput {
 impl InvalidInput {
     /// `what` names the input (`"idempotency key"`), `problem` says what is wrong with it.
     pub fn new(what: &'static str, problem: impl Into<String>) -> Self {
-        Self { what, problem: problem.into() }
+        Self {
+            what,
+            problem: problem.into(),
+        }
     }
 
     /// Which input was refused.
@@ -61,7 +64,11 @@ impl ErrorKind {
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
-            Self::Busy | Self::Deadlock | Self::SerializationFailure | Self::LockTimeout | Self::Transient
+            Self::Busy
+                | Self::Deadlock
+                | Self::SerializationFailure
+                | Self::LockTimeout
+                | Self::Transient
         )
     }
 }
@@ -98,7 +105,13 @@ pub struct DbError {
 impl DbError {
     /// A new error of `kind` from `engine`.
     pub fn new(engine: &'static str, kind: ErrorKind, message: impl Into<String>) -> Self {
-        Self { kind, engine, code: None, message: message.into(), source: None }
+        Self {
+            kind,
+            engine,
+            code: None,
+            message: message.into(),
+            source: None,
+        }
     }
 
     /// Keeps the engine's error code (SQLSTATE, error number, `ORA-nnnnn`).
@@ -148,7 +161,9 @@ impl fmt::Display for DbError {
 
 impl StdError for DbError {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
-        self.source.as_deref().map(|e| e as &(dyn StdError + 'static))
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
     }
 }
 

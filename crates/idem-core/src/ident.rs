@@ -159,7 +159,9 @@ impl Operation {
         if name.is_empty() || name.len() > 64 || !name.chars().all(ok_char) {
             return Err(InvalidInput::new(
                 "operation",
-                format!("name {name:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '_', '.' or '-'"),
+                format!(
+                    "name {name:?} must be 1 to 64 characters of A-Z, a-z, 0-9, '_', '.' or '-'"
+                ),
             ));
         }
         if version == 0 {
@@ -204,7 +206,11 @@ impl Operation {
 
 impl fmt::Debug for Operation {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Operation({:?}, retention {:?})", self.text, self.retention)
+        write!(
+            f,
+            "Operation({:?}, retention {:?})",
+            self.text, self.retention
+        )
     }
 }
 
@@ -219,7 +225,12 @@ impl FromStr for Operation {
 
     /// Parses `name:vN`, for example `debit:v1`.
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        let bad = || InvalidInput::new("operation", format!("{s:?} is not of the form name:vN (for example debit:v1)"));
+        let bad = || {
+            InvalidInput::new(
+                "operation",
+                format!("{s:?} is not of the form name:vN (for example debit:v1)"),
+            )
+        };
         let (name, version) = s.rsplit_once(":v").ok_or_else(bad)?;
         let version = version.parse::<u32>().map_err(|_| bad())?;
         Self::new(name, version)
@@ -239,7 +250,10 @@ pub struct Scope {
 impl Scope {
     /// A scope for `principal` calling `operation`.
     pub fn new(principal: Principal, operation: Operation) -> Self {
-        Self { principal, operation }
+        Self {
+            principal,
+            operation,
+        }
     }
 }
 
@@ -251,21 +265,50 @@ mod tests {
     fn keys_follow_the_rules() {
         assert!(Key::new("checkout-42").is_ok());
         assert!(Key::new("k ").is_ok());
-        assert_ne!(Key::new("k").unwrap_or_else(|e| panic!("{e}")), Key::new("K").unwrap_or_else(|e| panic!("{e}")));
-        assert!(Key::new("").unwrap_err().to_string().contains("must not be empty"));
-        assert!(Key::new("a\0b").unwrap_err().to_string().contains("U+0000 at byte 1"));
+        assert_ne!(
+            Key::new("k").unwrap_or_else(|e| panic!("{e}")),
+            Key::new("K").unwrap_or_else(|e| panic!("{e}"))
+        );
+        assert!(
+            Key::new("")
+                .unwrap_err()
+                .to_string()
+                .contains("must not be empty")
+        );
+        assert!(
+            Key::new("a\0b")
+                .unwrap_err()
+                .to_string()
+                .contains("U+0000 at byte 1")
+        );
         assert!(Key::new("line\n").is_err());
         assert!(Key::new("\u{85}").is_err(), "C1 controls are rejected");
         assert!(Key::new("x".repeat(255)).is_ok());
-        assert!(Key::new("x".repeat(256)).unwrap_err().to_string().contains("256 bytes"));
-        assert!(Key::new("é".repeat(128)).is_err(), "the limit counts bytes, not characters");
-        assert!(Key::from_bytes(&[0xff, 0x41]).unwrap_err().to_string().contains("UTF-8"));
+        assert!(
+            Key::new("x".repeat(256))
+                .unwrap_err()
+                .to_string()
+                .contains("256 bytes")
+        );
+        assert!(
+            Key::new("é".repeat(128)).is_err(),
+            "the limit counts bytes, not characters"
+        );
+        assert!(
+            Key::from_bytes(&[0xff, 0x41])
+                .unwrap_err()
+                .to_string()
+                .contains("UTF-8")
+        );
     }
 
     #[test]
     fn operations_are_versioned() {
         let op: Operation = "debit:v1".parse().unwrap_or_else(|e| panic!("{e}"));
-        assert_eq!((op.name(), op.version(), op.as_str()), ("debit", 1, "debit:v1"));
+        assert_eq!(
+            (op.name(), op.version(), op.as_str()),
+            ("debit", 1, "debit:v1")
+        );
         assert_eq!(op.retention(), DEFAULT_RETENTION);
         assert!("debit".parse::<Operation>().is_err());
         assert!("debit:v0".parse::<Operation>().is_err());

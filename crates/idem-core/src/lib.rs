@@ -19,7 +19,9 @@ mod request;
 
 pub use backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
 pub use error::{DbError, Error, ErrorKind, InvalidInput};
-pub use ident::{DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber};
+pub use ident::{
+    DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber,
+};
 pub use migrate::Migration;
 pub use protocol::{BoxFuture, Consumed, Idem, Outcome, PurgeReport, RetryPolicy};
 pub use request::Request;

@@ -44,7 +44,17 @@ mod tests {
 
     #[test]
     fn splits_statements_and_drops_comments() {
-        let m = Migration { version: 1, name: "x", sql: "-- c\nCREATE TABLE a (\n  x int -- inline\n);\n\nCREATE INDEX i ON a (x);\n" };
-        assert_eq!(m.statements(), vec!["CREATE TABLE a (\n  x int -- inline\n)", "CREATE INDEX i ON a (x)"]);
+        let m = Migration {
+            version: 1,
+            name: "x",
+            sql: "-- c\nCREATE TABLE a (\n  x int -- inline\n);\n\nCREATE INDEX i ON a (x);\n",
+        };
+        assert_eq!(
+            m.statements(),
+            vec![
+                "CREATE TABLE a (\n  x int -- inline\n)",
+                "CREATE INDEX i ON a (x)"
+            ]
+        );
     }
 }

@@ -10,7 +10,9 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
-use crate::backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
+use crate::backend::{
+    Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table,
+};
 use crate::error::{DbError, Error, ErrorKind};
 use crate::ident::{DEFAULT_RETENTION, Key, MessageId, Scope, Subscriber};
 use crate::request::Request;
@@ -71,14 +73,20 @@ pub struct RetryPolicy {
 
 impl Default for RetryPolicy {
     fn default() -> Self {
-        Self { max_attempts: 10, base_delay: Duration::from_millis(2), max_delay: Duration::from_millis(250) }
+        Self {
+            max_attempts: 10,
+            base_delay: Duration::from_millis(2),
+            max_delay: Duration::from_millis(250),
+        }
     }
 }
 
 impl RetryPolicy {
     /// The pause before attempt `attempt + 1`: uniform in `0..=min(max, base·2^(attempt-1))`.
     pub fn backoff(&self, attempt: u32) -> Duration {
-        let exp = self.base_delay.saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
+        let exp = self
+            .base_delay
+            .saturating_mul(1u32 << attempt.saturating_sub(1).min(20));
         let cap = exp.min(self.max_delay);
         let micros = u64::try_from(cap.as_micros()).unwrap_or(u64::MAX);
         Duration::from_micros(fastrand::u64(0..=micros))
@@ -107,7 +115,11 @@ enum Step<E> {
 
 impl<E> From<DbError> for Step<E> {
     fn from(e: DbError) -> Self {
-        if e.kind().is_retryable() { Step::Retry(e) } else { Step::Fail(Error::Backend(e)) }
+        if e.kind().is_retryable() {
+            Step::Retry(e)
+        } else {
+            Step::Fail(Error::Backend(e))
+        }
     }
 }
 
@@ -152,14 +164,22 @@ impl<B: fmt::Debug> fmt::Debug for Idem<B> {
 
 impl<B: Clone> Clone for Idem<B> {
     fn clone(&self) -> Self {
-        Self { backend: self.backend.clone(), ..*self }
+        Self {
+            backend: self.backend.clone(),
+            ..*self
+        }
     }
 }
 
 impl<B: Backend> Idem<B> {
     /// Wraps a backend with the default retry policy and a 24-hour message retention.
     pub fn new(backend: B) -> Self {
-        Self { backend, retry: RetryPolicy::default(), message_retention: DEFAULT_RETENTION, fast_path: true }
+        Self {
+            backend,
+            retry: RetryPolicy::default(),
+            message_retention: DEFAULT_RETENTION,
+            fast_path: true,
+        }
     }
 
     /// Sets the retry policy for busy databases, deadlocks and serialization failures.
@@ -214,7 +234,9 @@ impl<B: Backend> Idem<B> {
         match done {
             Done::Executed(Ok(r)) => Ok(Outcome::Executed(r)),
             Done::Executed(Err(never)) => match never {},
-            Done::Replayed(Status::Succeeded, v) => serde_json::from_value(v).map(Outcome::Replayed).map_err(Error::Decode),
+            Done::Replayed(Status::Succeeded, v) => serde_json::from_value(v)
+                .map(Outcome::Replayed)
+                .map_err(Error::Decode),
             Done::Replayed(Status::Rejected, v) => Err(Error::StoredRejection(v)),
         }
     }
@@ -238,12 +260,12 @@ impl<B: Backend> Idem<B> {
     {
         match self.run_request(scope, key, request, effect).await? {
             Done::Executed(r) => Ok(Outcome::Executed(r)),
-            Done::Replayed(Status::Succeeded, v) => {
-                serde_json::from_value(v).map(|r| Outcome::Replayed(Ok(r))).map_err(Error::Decode)
-            }
-            Done::Replayed(Status::Rejected, v) => {
-                serde_json::from_value(v).map(|j| Outcome::Replayed(Err(j))).map_err(Error::Decode)
-            }
+            Done::Replayed(Status::Succeeded, v) => serde_json::from_value(v)
+                .map(|r| Outcome::Replayed(Ok(r)))
+                .map_err(Error::Decode),
+            Done::Replayed(Status::Rejected, v) => serde_json::from_value(v)
+                .map(|j| Outcome::Replayed(Err(j)))
+                .map_err(Error::Decode),
         }
     }
 
@@ -265,7 +287,10 @@ impl<B: Backend> Idem<B> {
     {
         let text = payload.map(Request::to_json);
         let claim = Claim {
-            id: Identity::Message { subscriber, message_id },
+            id: Identity::Message {
+                subscriber,
+                message_id,
+            },
             request: text.as_deref(),
             retention: self.message_retention,
         };
@@ -275,7 +300,8 @@ impl<B: Backend> Idem<B> {
             let step = async {
                 let tx = match self.backend.claim(&claim).await? {
                     Claimed::Found(stored) => {
-                        if let (Some(supplied), Some(stored)) = (payload, stored.request.as_deref()) {
+                        if let (Some(supplied), Some(stored)) = (payload, stored.request.as_deref())
+                        {
                             let stored = parse_stored(stored).map_err(Step::Fail)?;
                             if &stored != supplied {
                                 return Err(Step::Fail(Error::PayloadMismatch {
@@ -290,7 +316,16 @@ impl<B: Backend> Idem<B> {
                 };
                 let r = self.run_effect(tx, &claim, &mut effect).await?;
                 let (tx, r) = r;
-                self.backend.finish(tx, &claim, Finish::Commit { response: None, status: Status::Succeeded }).await?;
+                self.backend
+                    .finish(
+                        tx,
+                        &claim,
+                        Finish::Commit {
+                            response: None,
+                            status: Status::Succeeded,
+                        },
+                    )
+                    .await?;
                 Ok(Consumed::Applied(r))
             };
             match step.await {
@@ -343,7 +378,16 @@ impl<B: Backend> Idem<B> {
                 // running the effect again.
                 if let Some(j) = rejection.take() {
                     let json = to_json(&j)?;
-                    self.backend.finish(tx, &claim, Finish::Commit { response: Some(&json), status: Status::Rejected }).await?;
+                    self.backend
+                        .finish(
+                            tx,
+                            &claim,
+                            Finish::Commit {
+                                response: Some(&json),
+                                status: Status::Rejected,
+                            },
+                        )
+                        .await?;
                     return Ok(Done::Executed(Err(j)));
                 }
                 let (tx, result) = self.run_effect(tx, &claim, &mut effect).await?;
@@ -356,7 +400,16 @@ impl<B: Backend> Idem<B> {
                                 return Err(e);
                             }
                         };
-                        self.backend.finish(tx, &claim, Finish::Commit { response: Some(&json), status: Status::Succeeded }).await?;
+                        self.backend
+                            .finish(
+                                tx,
+                                &claim,
+                                Finish::Commit {
+                                    response: Some(&json),
+                                    status: Status::Succeeded,
+                                },
+                            )
+                            .await?;
                         Ok(Done::Executed(Ok(r)))
                     }
                     Err(j) => {
@@ -364,7 +417,11 @@ impl<B: Backend> Idem<B> {
                         // rejection in a transaction of its own.
                         self.backend.finish(tx, &claim, Finish::Rollback).await?;
                         rejection = Some(j);
-                        Err(Step::Retry(DbError::new("idem", ErrorKind::Transient, "storing a final rejection")))
+                        Err(Step::Retry(DbError::new(
+                            "idem",
+                            ErrorKind::Transient,
+                            "storing a final rejection",
+                        )))
                     }
                 }
             };
@@ -380,7 +437,12 @@ impl<B: Backend> Idem<B> {
 
     /// Runs the effect in a won transaction. On failure the transaction is rolled back
     /// and the error classified: retryable engine errors start a new attempt.
-    async fn run_effect<T, E, F>(&self, mut tx: B::Tx, claim: &Claim<'_>, effect: &mut F) -> Result<(B::Tx, T), Step<E>>
+    async fn run_effect<T, E, F>(
+        &self,
+        mut tx: B::Tx,
+        claim: &Claim<'_>,
+        effect: &mut F,
+    ) -> Result<(B::Tx, T), Step<E>>
     where
         E: StdError + Send + Sync + 'static,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<T, E>> + Send,
@@ -392,7 +454,9 @@ impl<B: Backend> Idem<B> {
                 match self.classify_chain(&e) {
                     Some(kind) if kind.is_retryable() => {
                         let msg = e.to_string();
-                        Err(Step::Retry(DbError::new("effect", kind, msg).with_source(e)))
+                        Err(Step::Retry(
+                            DbError::new("effect", kind, msg).with_source(e),
+                        ))
                     }
                     _ => Err(Step::Fail(Error::Effect(e))),
                 }
@@ -418,7 +482,12 @@ impl<B: Backend> Idem<B> {
     async fn next_attempt<E>(&self, step: Step<E>, attempt: u32) -> Result<(), Error<E>> {
         match step {
             Step::Fail(e) => Err(e),
-            Step::Retry(last) if attempt >= self.retry.max_attempts => Err(Error::RetriesExhausted { attempts: attempt, last }),
+            Step::Retry(last) if attempt >= self.retry.max_attempts => {
+                Err(Error::RetriesExhausted {
+                    attempts: attempt,
+                    last,
+                })
+            }
             Step::Retry(_) => {
                 tokio::time::sleep(self.retry.backoff(attempt)).await;
                 Ok(())
@@ -438,7 +507,11 @@ impl<B: Maintenance> Idem<B> {
     /// you promise: a record inside its window is what an active retry needs.
     pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
         if batch == 0 {
-            return Err(DbError::new("idem", ErrorKind::Configuration, "purge batch size must be at least 1"));
+            return Err(DbError::new(
+                "idem",
+                ErrorKind::Configuration,
+                "purge batch size must be at least 1",
+            ));
         }
         let mut report = PurgeReport::default();
         for table in [Table::Requests, Table::Messages] {
@@ -465,16 +538,29 @@ fn to_json<T: Serialize, E>(value: &T) -> Result<String, Step<E>> {
 fn parse_stored<E>(text: &str) -> Result<Request, Error<E>> {
     serde_json::from_str::<Value>(text)
         .map(Request::new)
-        .map_err(|e| Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, format!("stored JSON is unreadable: {e}"))))
+        .map_err(|e| {
+            Error::Backend(DbError::new(
+                "idem",
+                ErrorKind::CorruptRecord,
+                format!("stored JSON is unreadable: {e}"),
+            ))
+        })
 }
 
 fn replay<R, J, E>(stored: &Stored, supplied: &Request) -> Result<Done<R, J>, Error<E>> {
     let Some(stored_request) = stored.request.as_deref() else {
-        return Err(Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, "stored record has no request")));
+        return Err(Error::Backend(DbError::new(
+            "idem",
+            ErrorKind::CorruptRecord,
+            "stored record has no request",
+        )));
     };
     let stored_request = parse_stored(stored_request)?;
     if &stored_request != supplied {
-        return Err(Error::KeyReused { stored: stored_request.value().clone(), supplied: supplied.value().clone() });
+        return Err(Error::KeyReused {
+            stored: stored_request.value().clone(),
+            supplied: supplied.value().clone(),
+        });
     }
     let Some(response) = stored.response.as_deref() else {
         return Err(Error::Backend(DbError::new(
@@ -484,7 +570,11 @@ fn replay<R, J, E>(stored: &Stored, supplied: &Request) -> Result<Done<R, J>, Er
         )));
     };
     let response = serde_json::from_str(response).map_err(|e| {
-        Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, format!("stored response is unreadable: {e}")))
+        Error::Backend(DbError::new(
+            "idem",
+            ErrorKind::CorruptRecord,
+            format!("stored response is unreadable: {e}"),
+        ))
     })?;
     Ok(Done::Replayed(stored.status, response))
 }
@@ -495,7 +585,11 @@ mod tests {
 
     #[test]
     fn backoff_is_bounded_and_grows() {
-        let p = RetryPolicy { max_attempts: 5, base_delay: Duration::from_millis(4), max_delay: Duration::from_millis(50) };
+        let p = RetryPolicy {
+            max_attempts: 5,
+            base_delay: Duration::from_millis(4),
+            max_delay: Duration::from_millis(50),
+        };
         for attempt in 1..40 {
             assert!(p.backoff(attempt) <= Duration::from_millis(50));
         }

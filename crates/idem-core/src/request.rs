@@ -116,12 +116,24 @@ fn has_duplicate_keys(text: &str) -> bool {
             }
             Ok(dup)
         }
-        fn visit_bool<E: de::Error>(self, _: bool) -> Result<bool, E> { Ok(false) }
-        fn visit_i64<E: de::Error>(self, _: i64) -> Result<bool, E> { Ok(false) }
-        fn visit_u64<E: de::Error>(self, _: u64) -> Result<bool, E> { Ok(false) }
-        fn visit_f64<E: de::Error>(self, _: f64) -> Result<bool, E> { Ok(false) }
-        fn visit_str<E: de::Error>(self, _: &str) -> Result<bool, E> { Ok(false) }
-        fn visit_unit<E: de::Error>(self) -> Result<bool, E> { Ok(false) }
+        fn visit_bool<E: de::Error>(self, _: bool) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_i64<E: de::Error>(self, _: i64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_u64<E: de::Error>(self, _: u64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_f64<E: de::Error>(self, _: f64) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_str<E: de::Error>(self, _: &str) -> Result<bool, E> {
+            Ok(false)
+        }
+        fn visit_unit<E: de::Error>(self) -> Result<bool, E> {
+            Ok(false)
+        }
     }
     struct Dup(bool);
     impl<'de> serde::Deserialize<'de> for Dup {
@@ -129,7 +141,9 @@ fn has_duplicate_keys(text: &str) -> bool {
             d.deserialize_any(Check).map(Dup)
         }
     }
-    serde_json::from_str::<Dup>(text).map(|d| d.0).unwrap_or(false)
+    serde_json::from_str::<Dup>(text)
+        .map(|d| d.0)
+        .unwrap_or(false)
 }
 
 #[cfg(test)]
@@ -139,7 +153,8 @@ mod tests {
 
     #[test]
     fn key_order_never_matters() {
-        let a = Request::parse(r#"{"b":1,"a":{"y":2,"x":[{"q":1,"p":2}]}}"#).unwrap_or_else(|e| panic!("{e}"));
+        let a = Request::parse(r#"{"b":1,"a":{"y":2,"x":[{"q":1,"p":2}]}}"#)
+            .unwrap_or_else(|e| panic!("{e}"));
         let b = Request::new(json!({"a": {"x": [{"p": 2, "q": 1}], "y": 2}, "b": 1}));
         assert_eq!(a, b);
         assert_eq!(a.to_json(), r#"{"a":{"x":[{"p":2,"q":1}],"y":2},"b":1}"#);
@@ -147,16 +162,32 @@ mod tests {
 
     #[test]
     fn values_and_types_matter() {
-        assert_ne!(Request::new(json!({"amount": 100})), Request::new(json!({"amount": 101})));
-        assert_ne!(Request::new(json!({"amount": 100})), Request::new(json!({"amount": "100"})));
+        assert_ne!(
+            Request::new(json!({"amount": 100})),
+            Request::new(json!({"amount": 101}))
+        );
+        assert_ne!(
+            Request::new(json!({"amount": 100})),
+            Request::new(json!({"amount": "100"}))
+        );
         assert_ne!(Request::new(json!([1, 2])), Request::new(json!([2, 1])));
     }
 
     #[test]
     fn duplicate_keys_and_bad_json_are_refused() {
-        assert!(Request::parse(r#"{"a":1,"a":2}"#).unwrap_err().to_string().contains("duplicate"));
+        assert!(
+            Request::parse(r#"{"a":1,"a":2}"#)
+                .unwrap_err()
+                .to_string()
+                .contains("duplicate")
+        );
         assert!(Request::parse(r#"[{"a":1},{"b":{"c":1,"c":1}}]"#).is_err());
-        assert!(Request::parse("{").unwrap_err().to_string().contains("not valid JSON"));
+        assert!(
+            Request::parse("{")
+                .unwrap_err()
+                .to_string()
+                .contains("not valid JSON")
+        );
         assert!(Request::parse(r#"{"a":1,"b":2}"#).is_ok());
     }
 }

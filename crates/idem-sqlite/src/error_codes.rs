@@ -53,12 +53,22 @@ mod tests {
 
     #[test]
     fn codes_classify() {
-        assert_eq!(kind_of(SQLITE_CONSTRAINT_PRIMARYKEY), ErrorKind::UniqueViolation);
-        assert_eq!(kind_of(SQLITE_CONSTRAINT_UNIQUE), ErrorKind::UniqueViolation);
+        assert_eq!(
+            kind_of(SQLITE_CONSTRAINT_PRIMARYKEY),
+            ErrorKind::UniqueViolation
+        );
+        assert_eq!(
+            kind_of(SQLITE_CONSTRAINT_UNIQUE),
+            ErrorKind::UniqueViolation
+        );
         assert_eq!(kind_of(SQLITE_BUSY), ErrorKind::Busy);
         assert_eq!(kind_of(SQLITE_BUSY_SNAPSHOT), ErrorKind::Busy);
         assert_eq!(kind_of(SQLITE_LOCKED), ErrorKind::Busy);
-        assert_eq!(kind_of(SQLITE_CONSTRAINT), ErrorKind::Other, "NOT NULL/CHECK are not duplicates");
+        assert_eq!(
+            kind_of(SQLITE_CONSTRAINT),
+            ErrorKind::Other,
+            "NOT NULL/CHECK are not duplicates"
+        );
         assert_eq!(kind_of(275), ErrorKind::Other, "SQLITE_CONSTRAINT_CHECK");
     }
 
@@ -67,10 +77,17 @@ mod tests {
         let conn = rusqlite::Connection::open_in_memory().unwrap_or_else(|e| panic!("{e}"));
         conn.execute_batch("CREATE TABLE t (k TEXT PRIMARY KEY, v INTEGER CHECK (v > 0)); INSERT INTO t VALUES ('k', 1);")
             .unwrap_or_else(|e| panic!("{e}"));
-        let dup = conn.execute("INSERT INTO t VALUES ('k', 2)", []).unwrap_err();
+        let dup = conn
+            .execute("INSERT INTO t VALUES ('k', 2)", [])
+            .unwrap_err();
         let err = db_error(dup);
-        assert_eq!((err.kind(), err.code()), (ErrorKind::UniqueViolation, Some("1555")));
-        let check = conn.execute("INSERT INTO t VALUES ('j', 0)", []).unwrap_err();
+        assert_eq!(
+            (err.kind(), err.code()),
+            (ErrorKind::UniqueViolation, Some("1555"))
+        );
+        let check = conn
+            .execute("INSERT INTO t VALUES ('j', 0)", [])
+            .unwrap_err();
         assert_eq!(classify(&check), ErrorKind::Other);
     }
 }

@@ -44,7 +44,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::{
-    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status, Stored, Table,
+    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
+    Stored, Table,
 };
 pub use rusqlite;
 use rusqlite::{Connection, OptionalExtension, params};
@@ -75,8 +76,16 @@ impl Location {
     /// (relative), `sqlite:///abs/path.db`, `sqlite:idem.db`. Query parameters other
     /// than `mode=rwc` are refused rather than ignored.
     pub fn parse(url: &str) -> Result<Self, DbError> {
-        let bad = |why: &str| DbError::new(ENGINE, ErrorKind::Configuration, format!("invalid SQLite URL {url:?}: {why}"));
-        let rest = url.strip_prefix("sqlite:").ok_or_else(|| bad("it must start with sqlite:"))?;
+        let bad = |why: &str| {
+            DbError::new(
+                ENGINE,
+                ErrorKind::Configuration,
+                format!("invalid SQLite URL {url:?}: {why}"),
+            )
+        };
+        let rest = url
+            .strip_prefix("sqlite:")
+            .ok_or_else(|| bad("it must start with sqlite:"))?;
         let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
         for param in query.split('&').filter(|p| !p.is_empty()) {
             if param != "mode=rwc" {
@@ -129,8 +138,16 @@ impl SqliteBackend {
     }
 
     /// Opens a database with `max_connections` (forced to 1 in memory) and a busy timeout.
-    pub async fn open_with(location: Location, max_connections: usize, busy_timeout: Duration) -> Result<Self, DbError> {
-        let max = if location == Location::Memory { 1 } else { max_connections.max(1) };
+    pub async fn open_with(
+        location: Location,
+        max_connections: usize,
+        busy_timeout: Duration,
+    ) -> Result<Self, DbError> {
+        let max = if location == Location::Memory {
+            1
+        } else {
+            max_connections.max(1)
+        };
         let backend = Self {
             inner: Arc::new(Inner {
                 location,
@@ -169,12 +186,24 @@ impl SqliteBackend {
             Some(conn) => conn,
             None => {
                 let inner = Arc::clone(&self.inner);
-                tokio::task::spawn_blocking(move || open_connection(&inner.location, inner.busy_timeout))
-                    .await
-                    .map_err(|e| DbError::new(ENGINE, ErrorKind::Other, format!("opening a connection failed: {e}")))??
+                tokio::task::spawn_blocking(move || {
+                    open_connection(&inner.location, inner.busy_timeout)
+                })
+                .await
+                .map_err(|e| {
+                    DbError::new(
+                        ENGINE,
+                        ErrorKind::Other,
+                        format!("opening a connection failed: {e}"),
+                    )
+                })??
             }
         };
-        Ok(Lease { conn: Some(conn), _permit: permit, inner: Arc::clone(&self.inner) })
+        Ok(Lease {
+            conn: Some(conn),
+            _permit: permit,
+            inner: Arc::clone(&self.inner),
+        })
     }
 }
 
@@ -188,14 +217,22 @@ fn open_connection(location: &Location, busy_timeout: Duration) -> Result<Connec
             Location::File(p) => p.display().to_string(),
             Location::Memory => ":memory:".into(),
         };
-        DbError::new(ENGINE, ErrorKind::Connection, format!("cannot open {where_}: {e}")).with_source(e)
+        DbError::new(
+            ENGINE,
+            ErrorKind::Connection,
+            format!("cannot open {where_}: {e}"),
+        )
+        .with_source(e)
     })?;
     conn.busy_timeout(busy_timeout).map_err(db_error)?;
     if matches!(location, Location::File(_)) {
-        conn.pragma_update(None, "journal_mode", "WAL").map_err(db_error)?;
-        conn.pragma_update(None, "synchronous", "NORMAL").map_err(db_error)?;
+        conn.pragma_update(None, "journal_mode", "WAL")
+            .map_err(db_error)?;
+        conn.pragma_update(None, "synchronous", "NORMAL")
+            .map_err(db_error)?;
     }
-    conn.pragma_update(None, "foreign_keys", "ON").map_err(db_error)?;
+    conn.pragma_update(None, "foreign_keys", "ON")
+        .map_err(db_error)?;
     Ok(conn)
 }
 
@@ -213,7 +250,10 @@ impl Lease {
         F: FnOnce(&Connection) -> T + Send + 'static,
         T: Send + 'static,
     {
-        let conn = self.conn.take().expect("a lease holds its connection between calls");
+        let conn = self
+            .conn
+            .take()
+            .expect("a lease holds its connection between calls");
         match tokio::task::spawn_blocking(move || {
             let out = f(&conn);
             (conn, out)
@@ -274,10 +314,18 @@ fn micros(d: Duration) -> i64 {
 fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option<Stored>> {
     let retention = micros(claim.retention);
     match &claim.id {
-        IdOwned::Request { principal, operation, key } => conn
+        IdOwned::Request {
+            principal,
+            operation,
+            key,
+        } => conn
             .prepare_cached(sql::SELECT_REQUEST)?
             .query_row(params![principal, operation, key, retention], |r| {
-                Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?))
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
             })
             .optional()
             .map(|row| {
@@ -287,11 +335,22 @@ fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option
                     status: Status::from_code(status).unwrap_or(Status::Succeeded),
                 })
             }),
-        IdOwned::Message { subscriber, message_id } => conn
+        IdOwned::Message {
+            subscriber,
+            message_id,
+        } => conn
             .prepare_cached(sql::SELECT_MESSAGE)?
-            .query_row(params![subscriber, message_id, retention], |r| r.get::<_, Option<String>>(0))
+            .query_row(params![subscriber, message_id, retention], |r| {
+                r.get::<_, Option<String>>(0)
+            })
             .optional()
-            .map(|row| row.map(|fingerprint| Stored { request: fingerprint, response: None, status: Status::Succeeded })),
+            .map(|row| {
+                row.map(|fingerprint| Stored {
+                    request: fingerprint,
+                    response: None,
+                    status: Status::Succeeded,
+                })
+            }),
     }
 }
 
@@ -305,8 +364,15 @@ struct ClaimOwned {
 
 #[derive(Clone)]
 enum IdOwned {
-    Request { principal: String, operation: String, key: String },
-    Message { subscriber: String, message_id: String },
+    Request {
+        principal: String,
+        operation: String,
+        key: String,
+    },
+    Message {
+        subscriber: String,
+        message_id: String,
+    },
 }
 
 impl From<&Claim<'_>> for ClaimOwned {
@@ -317,12 +383,19 @@ impl From<&Claim<'_>> for ClaimOwned {
                 operation: scope.operation.as_str().to_owned(),
                 key: key.as_str().to_owned(),
             },
-            Identity::Message { subscriber, message_id } => IdOwned::Message {
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => IdOwned::Message {
                 subscriber: subscriber.as_str().to_owned(),
                 message_id: message_id.as_str().to_owned(),
             },
         };
-        Self { id, request: c.request.map(str::to_owned), retention: c.retention }
+        Self {
+            id,
+            request: c.request.map(str::to_owned),
+            retention: c.retention,
+        }
     }
 }
 
@@ -359,10 +432,17 @@ impl Backend for SqliteBackend {
         })
     }
 
-    async fn finish(&self, mut tx: SqliteTx, claim: &Claim<'_>, end: Finish<'_>) -> Result<(), DbError> {
+    async fn finish(
+        &self,
+        mut tx: SqliteTx,
+        claim: &Claim<'_>,
+        end: Finish<'_>,
+    ) -> Result<(), DbError> {
         let claim = ClaimOwned::from(claim);
         let end = match end {
-            Finish::Commit { response, status } => Some((response.map(str::to_owned), status.code())),
+            Finish::Commit { response, status } => {
+                Some((response.map(str::to_owned), status.code()))
+            }
             Finish::Rollback => None,
         };
         tx.lease
@@ -371,12 +451,26 @@ impl Backend for SqliteBackend {
                     return c.execute_batch(sql::ROLLBACK).map_err(db_error);
                 };
                 let written = match &claim.id {
-                    IdOwned::Request { principal, operation, key } => c
-                        .prepare_cached(sql::UPSERT_REQUEST)
-                        .and_then(|mut s| s.execute(params![principal, operation, key, claim.request, response, status])),
-                    IdOwned::Message { subscriber, message_id } => c
-                        .prepare_cached(sql::UPSERT_MESSAGE)
-                        .and_then(|mut s| s.execute(params![subscriber, message_id, claim.request])),
+                    IdOwned::Request {
+                        principal,
+                        operation,
+                        key,
+                    } => c.prepare_cached(sql::UPSERT_REQUEST).and_then(|mut s| {
+                        s.execute(params![
+                            principal,
+                            operation,
+                            key,
+                            claim.request,
+                            response,
+                            status
+                        ])
+                    }),
+                    IdOwned::Message {
+                        subscriber,
+                        message_id,
+                    } => c.prepare_cached(sql::UPSERT_MESSAGE).and_then(|mut s| {
+                        s.execute(params![subscriber, message_id, claim.request])
+                    }),
                 };
                 match written.and_then(|_| c.execute_batch(sql::COMMIT)) {
                     Ok(()) => Ok(()),
@@ -392,7 +486,9 @@ impl Backend for SqliteBackend {
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
-        error.downcast_ref::<rusqlite::Error>().map(error_codes::classify)
+        error
+            .downcast_ref::<rusqlite::Error>()
+            .map(error_codes::classify)
     }
 }
 
@@ -425,13 +521,22 @@ impl Maintenance for SqliteBackend {
         .await
     }
 
-    async fn purge_batch(&self, table: Table, older_than: Duration, limit: u32) -> Result<u64, DbError> {
+    async fn purge_batch(
+        &self,
+        table: Table,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, DbError> {
         let statement = match table {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
         };
         let older = micros(older_than);
-        self.interact(move |c| c.execute(statement, params![older, limit]).map(|n| n as u64)).await
+        self.interact(move |c| {
+            c.execute(statement, params![older, limit])
+                .map(|n| n as u64)
+        })
+        .await
     }
 }
 
@@ -453,8 +558,16 @@ mod tests {
         assert_eq!(parse("sqlite:///abs/path.db"), file("/abs/path.db"));
         assert_eq!(parse("sqlite:idem.db"), file("idem.db"));
         assert_eq!(parse("sqlite://idem.db?mode=rwc"), file("idem.db"));
-        assert!(parse("sqlite://idem.db?mode=ro").unwrap_err().contains("unsupported parameter"));
-        assert!(parse("postgres://x").unwrap_err().contains("must start with sqlite:"));
+        assert!(
+            parse("sqlite://idem.db?mode=ro")
+                .unwrap_err()
+                .contains("unsupported parameter")
+        );
+        assert!(
+            parse("postgres://x")
+                .unwrap_err()
+                .contains("must start with sqlite:")
+        );
         assert!(parse("sqlite://").unwrap_err().contains("no file path"));
     }
 }

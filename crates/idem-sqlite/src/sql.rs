@@ -59,8 +59,11 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
 pub(crate) const CREATE_MIGRATIONS: &str = "CREATE TABLE IF NOT EXISTS idem_schema_migrations (\
     version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL) STRICT";
 pub(crate) const SELECT_MIGRATIONS: &str = "SELECT version FROM idem_schema_migrations";
-pub(crate) const INSERT_MIGRATION: &str =
-    concat!("INSERT INTO idem_schema_migrations (version, name, applied_at) VALUES (?1, ?2, ", now_us!(), ")");
+pub(crate) const INSERT_MIGRATION: &str = concat!(
+    "INSERT INTO idem_schema_migrations (version, name, applied_at) VALUES (?1, ?2, ",
+    now_us!(),
+    ")"
+);
 
 /// All statements, for the snapshot test.
 #[cfg(test)]
@@ -83,7 +86,10 @@ pub(crate) const ALL: &[(&str, &str)] = &[
 mod tests {
     #[test]
     fn statements_snapshot() {
-        let text: String = super::ALL.iter().map(|(name, sql)| format!("-- {name}\n{sql};\n\n")).collect();
+        let text: String = super::ALL
+            .iter()
+            .map(|(name, sql)| format!("-- {name}\n{sql};\n\n"))
+            .collect();
         insta::assert_snapshot!(text);
     }
 
@@ -91,9 +97,11 @@ mod tests {
     fn statements_prepare() {
         let conn = rusqlite::Connection::open_in_memory().unwrap_or_else(|e| panic!("{e}"));
         for m in crate::MIGRATIONS {
-            conn.execute_batch(m.sql).unwrap_or_else(|e| panic!("{}: {e}", m.name));
+            conn.execute_batch(m.sql)
+                .unwrap_or_else(|e| panic!("{}: {e}", m.name));
         }
-        conn.execute_batch(super::CREATE_MIGRATIONS).unwrap_or_else(|e| panic!("{e}"));
+        conn.execute_batch(super::CREATE_MIGRATIONS)
+            .unwrap_or_else(|e| panic!("{e}"));
         for (name, sql) in super::ALL {
             if !matches!(*name, "begin" | "commit" | "rollback") {
                 conn.prepare(sql).unwrap_or_else(|e| panic!("{name}: {e}"));

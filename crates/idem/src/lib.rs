@@ -1,0 +1,243 @@
+#![doc = include_str!("../../../README.md")]
+
+pub use idem_core as core;
+pub use idem_core::{
+    Backend, BoxFuture, Consumed, DbError, Error, ErrorKind, Idem, InvalidInput, Key, Maintenance,
+    MessageId, Operation, Outcome, Principal, PurgeReport, Request, RetryPolicy, Scope, Subscriber,
+};
+
+#[cfg(feature = "mssql")]
+pub use idem_mssql as mssql;
+#[cfg(feature = "mysql")]
+pub use idem_mysql as mysql;
+#[cfg(feature = "oracle")]
+pub use idem_oracle as oracle;
+#[cfg(feature = "postgres")]
+pub use idem_postgres as postgres;
+#[cfg(feature = "sqlite")]
+pub use idem_sqlite as sqlite;
+
+use std::time::Duration;
+
+/// The engines idem supports, chosen from a URL's scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Engine {
+    /// `sqlite:` (feature `sqlite`, default).
+    Sqlite,
+    /// `postgres://`, `postgresql://` (feature `postgres`).
+    Postgres,
+    /// `mysql://`, `mariadb://` (feature `mysql`).
+    Mysql,
+    /// `mssql://`, `sqlserver://`, or an ADO.NET connection string (feature `mssql`).
+    Mssql,
+    /// `oracle://` (feature `oracle`).
+    Oracle,
+}
+
+impl Engine {
+    /// Picks the engine from a URL's scheme.
+    pub fn from_url(url: &str) -> Result<Self, DbError> {
+        let scheme = url
+            .split(':')
+            .next()
+            .unwrap_or_default()
+            .to_ascii_lowercase();
+        Ok(match scheme.as_str() {
+            "sqlite" => Self::Sqlite,
+            "postgres" | "postgresql" => Self::Postgres,
+            "mysql" | "mariadb" => Self::Mysql,
+            "mssql" | "sqlserver" => Self::Mssql,
+            "oracle" => Self::Oracle,
+            _ if url.contains(';') && url.to_ascii_lowercase().contains("server=") => Self::Mssql,
+            _ => {
+                return Err(DbError::new(
+                    "idem",
+                    ErrorKind::Configuration,
+                    format!(
+                        "unknown database URL {:?}: expected sqlite:, postgres://, mysql://, mariadb://, mssql:// or oracle://",
+                        redact(url)
+                    ),
+                ));
+            }
+        })
+    }
+
+    /// The engine's name and cargo feature.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sqlite => "sqlite",
+            Self::Postgres => "postgres",
+            Self::Mysql => "mysql",
+            Self::Mssql => "mssql",
+            Self::Oracle => "oracle",
+        }
+    }
+
+    /// An error saying this build lacks the engine's feature.
+    pub fn not_compiled(self) -> DbError {
+        DbError::new(
+            "idem",
+            ErrorKind::Configuration,
+            format!(
+                "this build has no {0} support: enable the cargo feature `{0}`",
+                self.name()
+            ),
+        )
+    }
+}
+
+/// A URL with its password replaced by `***`, for messages.
+pub fn redact(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://") {
+        if let Some((userinfo, host)) = rest.split_once('@') {
+            if let Some((user, _)) = userinfo.split_once(':') {
+                return format!("{scheme}://{user}:***@{host}");
+            }
+        }
+    }
+    if url.to_ascii_lowercase().contains("password=") {
+        return url
+            .split(';')
+            .map(|part| {
+                if part
+                    .trim_start()
+                    .to_ascii_lowercase()
+                    .starts_with("password=")
+                {
+                    "Password=***"
+                } else {
+                    part
+                }
+            })
+            .collect::<Vec<_>>()
+            .join(";");
+    }
+    url.to_owned()
+}
+
+/// Any compiled-in backend, connected by URL: for migrations and purges when the
+/// engine is only known at run time. Effects need the engine's own transaction type,
+/// so run them through [`Idem`] with the concrete backend.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum AnyBackend {
+    /// SQLite.
+    #[cfg(feature = "sqlite")]
+    Sqlite(idem_sqlite::SqliteBackend),
+    /// PostgreSQL.
+    #[cfg(feature = "postgres")]
+    Postgres(idem_postgres::PgBackend),
+    /// MySQL or MariaDB.
+    #[cfg(feature = "mysql")]
+    Mysql(idem_mysql::MysqlBackend),
+    /// SQL Server.
+    #[cfg(feature = "mssql")]
+    Mssql(idem_mssql::MssqlBackend),
+    /// Oracle.
+    #[cfg(feature = "oracle")]
+    Oracle(idem_oracle::OracleBackend),
+}
+
+macro_rules! each {
+    ($self:expr, $b:ident => $body:expr) => {
+        match $self {
+            #[cfg(feature = "sqlite")]
+            AnyBackend::Sqlite($b) => $body,
+            #[cfg(feature = "postgres")]
+            AnyBackend::Postgres($b) => $body,
+            #[cfg(feature = "mysql")]
+            AnyBackend::Mysql($b) => $body,
+            #[cfg(feature = "mssql")]
+            AnyBackend::Mssql($b) => $body,
+            #[cfg(feature = "oracle")]
+            AnyBackend::Oracle($b) => $body,
+        }
+    };
+}
+
+impl AnyBackend {
+    /// Connects to the engine the URL's scheme names.
+    pub async fn connect(url: &str) -> Result<Self, DbError> {
+        let engine = Engine::from_url(url)?;
+        match engine {
+            #[cfg(feature = "sqlite")]
+            Engine::Sqlite => idem_sqlite::SqliteBackend::connect(url)
+                .await
+                .map(Self::Sqlite),
+            #[cfg(feature = "postgres")]
+            Engine::Postgres => idem_postgres::PgBackend::connect(url)
+                .await
+                .map(Self::Postgres),
+            #[cfg(feature = "mysql")]
+            Engine::Mysql => idem_mysql::MysqlBackend::connect(url)
+                .await
+                .map(Self::Mysql),
+            #[cfg(feature = "mssql")]
+            Engine::Mssql => idem_mssql::MssqlBackend::connect(url)
+                .await
+                .map(Self::Mssql),
+            #[cfg(feature = "oracle")]
+            Engine::Oracle => idem_oracle::OracleBackend::connect(url)
+                .await
+                .map(Self::Oracle),
+            #[allow(unreachable_patterns)]
+            other => Err(other.not_compiled()),
+        }
+    }
+
+    /// Applies the embedded migrations; returns the versions applied now.
+    pub async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        each!(self, b => b.migrate().await)
+    }
+
+    /// Deletes records older than `older_than` in batches of `batch`.
+    pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
+        each!(self, b => Idem::new(b.clone()).purge(older_than, batch).await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn schemes_pick_engines() {
+        assert_eq!(
+            Engine::from_url("sqlite::memory:").ok(),
+            Some(Engine::Sqlite)
+        );
+        assert_eq!(
+            Engine::from_url("postgresql://u@h/db").ok(),
+            Some(Engine::Postgres)
+        );
+        assert_eq!(
+            Engine::from_url("mariadb://root@h/test").ok(),
+            Some(Engine::Mysql)
+        );
+        assert_eq!(
+            Engine::from_url("Server=tcp:h,1433;User Id=sa;Password=x").ok(),
+            Some(Engine::Mssql)
+        );
+        assert_eq!(
+            Engine::from_url("oracle://u:p@h/FREEPDB1").ok(),
+            Some(Engine::Oracle)
+        );
+        let err = Engine::from_url("redis://u:secret@h")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown database URL") && !err.contains("secret"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redact("postgres://u:pw@h/db"), "postgres://u:***@h/db");
+        assert_eq!(redact("mysql://root@h/test"), "mysql://root@h/test");
+        assert_eq!(
+            redact("Server=h;Password=pw;User Id=sa"),
+            "Server=h;Password=***;User Id=sa"
+        );
+    }
+}

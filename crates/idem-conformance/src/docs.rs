@@ -1,0 +1,1 @@
+//! `docs/engines.md`, generated from `idem check` reports.

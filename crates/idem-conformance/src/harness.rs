@@ -1,0 +1,204 @@
+//! Running the cases: as a test target (one named trial per case) or as `idem check`.
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use libtest_mimic::{Arguments, Failed, Trial};
+use serde::{Deserialize, Serialize};
+
+use crate::bank::{Bank, Capabilities};
+use crate::cases::{self, Case, CaseResult, Failure};
+
+/// Where a test target's engine is, or why it is skipped.
+#[derive(Debug, Clone)]
+pub enum Target {
+    /// Run every case against this URL; an unreachable engine fails every case.
+    Url(String),
+    /// Report every case as ignored, by name, with this reason.
+    Skip(String),
+}
+
+impl Target {
+    /// A required engine: the URL from `var`, or `default`.
+    pub fn required(var: &str, default: &str) -> Self {
+        Self::Url(
+            std::env::var(var)
+                .ok()
+                .filter(|v| !v.is_empty())
+                .unwrap_or_else(|| default.to_owned()),
+        )
+    }
+
+    /// An optional live engine: run when `var` is set, skipped visibly otherwise.
+    pub fn optional(var: &str) -> Self {
+        match std::env::var(var) {
+            Ok(url) if !url.is_empty() => Self::Url(url),
+            _ => Self::Skip(format!(
+                "{var} is not set; no server to run against (not verified live)"
+            )),
+        }
+    }
+}
+
+/// A namespace no other case or run uses.
+pub fn namespace(case: &str) -> String {
+    format!(
+        "idem_t_{}_{}_{:06x}",
+        &case[..case.len().min(24)],
+        std::process::id(),
+        fastrand::u32(..0xff_ffff)
+    )
+}
+
+/// Runs one case on a fresh, migrated fixture in its own namespace.
+pub async fn run_case<K: Bank>(url: &str, case: &Case<K>) -> CaseResult {
+    let ns = namespace(case.name);
+    let bank = K::connect(url, Some(&ns))
+        .await
+        .map_err(|e| -> Failure { format!("cannot connect to {}: {e}", K::ENGINE).into() })?;
+    let bank = Arc::new(bank);
+    let result = match bank.setup().await {
+        Ok(()) => (case.run)(Arc::clone(&bank)).await,
+        Err(e) => Err(format!("setup failed: {e}").into()),
+    };
+    match Arc::try_unwrap(bank) {
+        Ok(bank) => {
+            if let Err(e) = bank.close().await {
+                eprintln!("warning: {}::{}: cleanup failed: {e}", K::ENGINE, case.name);
+            }
+        }
+        Err(_) => eprintln!(
+            "warning: {}::{}: fixture still shared; namespace {ns} left behind",
+            K::ENGINE,
+            case.name
+        ),
+    }
+    result
+}
+
+fn runtime() -> Arc<tokio::runtime::Runtime> {
+    Arc::new(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("cannot start tokio: {e}")),
+    )
+}
+
+/// The `main` of a test target: one trial per case, named `engine::case`.
+pub fn run_tests<K: Bank>(target: Target) -> ExitCode {
+    let args = Arguments::from_args();
+    let rt = runtime();
+    let trials: Vec<Trial> = cases::all::<K>()
+        .into_iter()
+        .map(|case| {
+            let name = format!("{}::{}", K::ENGINE, case.name);
+            match &target {
+                Target::Skip(reason) => {
+                    eprintln!("SKIPPED {name}: {reason}");
+                    Trial::test(name, || Ok(())).with_ignored_flag(true)
+                }
+                Target::Url(url) => {
+                    let (url, rt) = (url.clone(), Arc::clone(&rt));
+                    Trial::test(name, move || {
+                        rt.block_on(run_case::<K>(&url, &case))
+                            .map(|_| ())
+                            .map_err(|e| Failed::from(e.to_string()))
+                    })
+                }
+            }
+        })
+        .collect();
+    libtest_mimic::run(&args, trials).exit_code()
+}
+
+/// One case's row in a report.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct CaseReport {
+    /// The case's name.
+    pub name: String,
+    /// The promise it proves.
+    pub promise: String,
+    /// `None` when it passed, else why it failed.
+    pub failure: Option<String>,
+    /// How long it took, in milliseconds.
+    pub millis: u64,
+    /// What it observed.
+    pub observations: Vec<(String, String)>,
+}
+
+/// The results of every case on one engine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Report {
+    /// The engine.
+    pub engine: String,
+    /// The server's version, as it reported it.
+    pub server: String,
+    /// The documented facts.
+    pub capabilities: Vec<(String, String)>,
+    /// Whether the results come from a live run (false: expected from documentation).
+    pub live: bool,
+    /// Each case.
+    pub cases: Vec<CaseReport>,
+}
+
+impl Report {
+    /// Whether every case passed.
+    pub fn passed(&self) -> bool {
+        self.live && self.cases.iter().all(|c| c.failure.is_none())
+    }
+}
+
+/// The documented facts as report rows.
+pub fn capability_rows(c: &Capabilities) -> Vec<(String, String)> {
+    vec![
+        ("versions".into(), c.versions.into()),
+        ("claim".into(), c.claim.into()),
+        ("key columns".into(), c.key_columns.into()),
+        ("JSON storage".into(), c.json_storage.into()),
+        ("retried with the same key".into(), c.retried.into()),
+    ]
+}
+
+/// Runs every case against `url`, one after the other, for `idem check`.
+pub async fn check<K: Bank>(url: &str, progress: impl Fn(&CaseReport)) -> Result<Report, Failure> {
+    // Connect once first so an unreachable server fails fast with one clear error.
+    let probe = K::connect(url, None)
+        .await
+        .map_err(|e| -> Failure { format!("cannot connect to {}: {e}", K::ENGINE).into() })?;
+    let capabilities = capability_rows(&probe.capabilities());
+    let server = probe.server_version().await?;
+    probe.close().await?;
+    let mut cases = Vec::new();
+    for case in cases::all::<K>() {
+        let start = Instant::now();
+        let result = tokio::time::timeout(Duration::from_secs(120), run_case::<K>(url, &case))
+            .await
+            .unwrap_or_else(|_| Err("timed out after 120 s".into()));
+        let (failure, observations) = match result {
+            Ok(obs) => (
+                None,
+                obs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+            ),
+            Err(e) => (Some(e.to_string()), Vec::new()),
+        };
+        let row = CaseReport {
+            name: case.name.into(),
+            promise: case.promise.into(),
+            failure,
+            millis: u64::try_from(start.elapsed().as_millis()).unwrap_or(u64::MAX),
+            observations,
+        };
+        progress(&row);
+        cases.push(row);
+    }
+    Ok(Report {
+        engine: K::ENGINE.into(),
+        server,
+        capabilities,
+        live: true,
+        cases,
+    })
+}

@@ -1,0 +1,210 @@
+//! The PostgreSQL fixture.
+
+use std::str::FromStr;
+
+use idem::core::{BoxFuture, DbError, ErrorKind, Maintenance};
+use idem::postgres::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use idem::postgres::sqlx::{self, Row};
+use idem::postgres::{PgBackend, PgTx, db_error};
+
+use crate::bank::{Balance, Bank, BankError, Capabilities};
+
+/// The seed's account table, in PostgreSQL.
+pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
+    account_id bigint PRIMARY KEY, balance bigint NOT NULL CHECK (balance >= 0))";
+
+/// The fixture: a backend and, with a namespace, a private schema.
+#[derive(Debug)]
+pub struct PgBank {
+    backend: PgBackend,
+    private_schema: Option<(PgPool, String)>,
+}
+
+fn effect(
+    tx: &mut PgTx,
+    account: i64,
+    amount: i64,
+    debit: bool,
+) -> BoxFuture<'_, Result<Balance, BankError>> {
+    Box::pin(async move {
+        let sql = if debit {
+            "UPDATE idem_demo_account SET balance = balance - $2 WHERE account_id = $1 AND balance >= $2 RETURNING balance"
+        } else {
+            "UPDATE idem_demo_account SET balance = balance + $2 WHERE account_id = $1 RETURNING balance"
+        };
+        let updated: Option<i64> = sqlx::query_scalar(sql)
+            .bind(account)
+            .bind(amount)
+            .fetch_optional(&mut **tx)
+            .await
+            .map_err(db_error)?;
+        if let Some(balance) = updated {
+            return Ok(Balance { balance });
+        }
+        let exists: Option<i32> =
+            sqlx::query_scalar("SELECT 1 FROM idem_demo_account WHERE account_id = $1")
+                .bind(account)
+                .fetch_optional(&mut **tx)
+                .await
+                .map_err(db_error)?;
+        Err(if exists.is_some() {
+            BankError::Insufficient
+        } else {
+            BankError::NoAccount(account)
+        })
+    })
+}
+
+impl Bank for PgBank {
+    type B = PgBackend;
+    const ENGINE: &'static str = "postgres";
+
+    async fn connect(url: &str, namespace: Option<&str>) -> Result<Self, DbError> {
+        let Some(ns) = namespace else {
+            return Ok(Self {
+                backend: PgBackend::connect(url).await?,
+                private_schema: None,
+            });
+        };
+        if ns.is_empty()
+            || !ns
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        {
+            return Err(DbError::new(
+                "postgres",
+                ErrorKind::Configuration,
+                format!("bad namespace {ns:?}"),
+            ));
+        }
+        let options = PgConnectOptions::from_str(url).map_err(db_error)?;
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_with(options.clone())
+            .await
+            .map_err(db_error)?;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {ns}")))
+            .execute(&admin)
+            .await
+            .map_err(db_error)?;
+        let backend = PgBackend::connect_with(options.options([("search_path", ns)]), 40).await?;
+        Ok(Self {
+            backend,
+            private_schema: Some((admin, ns.to_owned())),
+        })
+    }
+
+    fn backend(&self) -> &PgBackend {
+        &self.backend
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            claim: "`INSERT … ON CONFLICT DO NOTHING`, then a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT`",
+            key_columns: "`text COLLATE \"C\"` (byte order and equality)",
+            json_storage: "`jsonb` (reorders keys; compared as values in Rust)",
+            retried: "40001 serialization failure, 40P01 deadlock",
+            concurrent_sessions: true,
+            versions: "PostgreSQL 15 (tested live here); written for 15–18",
+        }
+    }
+
+    async fn server_version(&self) -> Result<String, DbError> {
+        let v: String =
+            sqlx::query_scalar("SELECT 'PostgreSQL ' || current_setting('server_version')")
+                .fetch_one(self.backend.pool())
+                .await
+                .map_err(db_error)?;
+        Ok(v)
+    }
+
+    async fn setup(&self) -> Result<(), DbError> {
+        self.backend.migrate().await?;
+        sqlx::raw_sql(CREATE_ACCOUNT)
+            .execute(self.backend.pool())
+            .await
+            .map_err(db_error)?;
+        Ok(())
+    }
+
+    async fn set_balance(&self, account: i64, balance: i64) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO idem_demo_account (account_id, balance) VALUES ($1, $2) \
+             ON CONFLICT (account_id) DO UPDATE SET balance = EXCLUDED.balance",
+        )
+        .bind(account)
+        .bind(balance)
+        .execute(self.backend.pool())
+        .await
+        .map(drop)
+        .map_err(db_error)
+    }
+
+    async fn balance(&self, account: i64) -> Result<i64, DbError> {
+        sqlx::query("SELECT balance FROM idem_demo_account WHERE account_id = $1")
+            .bind(account)
+            .fetch_one(self.backend.pool())
+            .await
+            .and_then(|r| r.try_get(0))
+            .map_err(db_error)
+    }
+
+    fn debit(
+        tx: &mut PgTx,
+        account: i64,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<Balance, BankError>> {
+        effect(tx, account, amount, true)
+    }
+
+    fn credit(
+        tx: &mut PgTx,
+        account: i64,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<Balance, BankError>> {
+        effect(tx, account, amount, false)
+    }
+
+    async fn insert_record_directly(
+        &self,
+        principal: &str,
+        operation: &str,
+        key: &str,
+        request: &str,
+        response: &str,
+    ) -> Result<(), DbError> {
+        sqlx::query(
+            "INSERT INTO idem_request_result (principal, operation, request_key, request, response) \
+             VALUES ($1, $2, $3, $4::jsonb, $5::jsonb)",
+        )
+        .bind(principal)
+        .bind(operation)
+        .bind(key)
+        .bind(request)
+        .bind(response)
+        .execute(self.backend.pool())
+        .await
+        .map(drop)
+        .map_err(db_error)
+    }
+
+    async fn count_records(&self) -> Result<u64, DbError> {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_request_result")
+            .fetch_one(self.backend.pool())
+            .await
+            .map_err(db_error)?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    async fn close(self) -> Result<(), DbError> {
+        self.backend.pool().close().await;
+        if let Some((admin, ns)) = self.private_schema {
+            sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {ns} CASCADE")))
+                .execute(&admin)
+                .await
+                .map_err(db_error)?;
+            admin.close().await;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,196 @@
+//! The SQLite fixture.
+
+use std::path::PathBuf;
+
+use idem::core::{BoxFuture, DbError, ErrorKind, Maintenance};
+use idem::sqlite::rusqlite::{OptionalExtension, params};
+use idem::sqlite::{Location, SqliteBackend, SqliteTx, db_error};
+
+use crate::bank::{Balance, Bank, BankError, Capabilities};
+
+/// The seed's account table, in SQLite.
+pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
+    account_id INTEGER PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0)) STRICT";
+
+/// The fixture: a backend and, with a namespace, a private database file.
+#[derive(Debug)]
+pub struct SqliteBank {
+    backend: SqliteBackend,
+    private_file: Option<PathBuf>,
+}
+
+fn namespaced(location: Location, namespace: Option<&str>) -> (Location, Option<PathBuf>) {
+    match (location, namespace) {
+        (Location::File(path), Some(ns)) => {
+            let stem = path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "idem".into());
+            let file = path.with_file_name(format!("{stem}-{ns}.db"));
+            (Location::File(file.clone()), Some(file))
+        }
+        (location, _) => (location, None),
+    }
+}
+
+fn run_effect(
+    tx: &mut SqliteTx,
+    account: i64,
+    amount: i64,
+    debit: bool,
+) -> BoxFuture<'_, Result<Balance, BankError>> {
+    Box::pin(tx.run(move |c| {
+        let sql = if debit {
+            "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance"
+        } else {
+            "UPDATE idem_demo_account SET balance = balance + ?2 WHERE account_id = ?1 RETURNING balance"
+        };
+        let updated = c.query_row(sql, params![account, amount], |r| r.get::<_, i64>(0)).optional().map_err(db_error)?;
+        if let Some(balance) = updated {
+            return Ok(Balance { balance });
+        }
+        let exists = c
+            .query_row("SELECT 1 FROM idem_demo_account WHERE account_id = ?1", [account], |_| Ok(()))
+            .optional()
+            .map_err(db_error)?;
+        Err(if exists.is_some() { BankError::Insufficient } else { BankError::NoAccount(account) })
+    }))
+}
+
+impl Bank for SqliteBank {
+    type B = SqliteBackend;
+    const ENGINE: &'static str = "sqlite";
+
+    async fn connect(url: &str, namespace: Option<&str>) -> Result<Self, DbError> {
+        let (location, private_file) = namespaced(Location::parse(url)?, namespace);
+        if let Location::File(path) = &location {
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir).map_err(|e| {
+                    DbError::new(
+                        "sqlite",
+                        ErrorKind::Connection,
+                        format!("cannot create {}: {e}", dir.display()),
+                    )
+                })?;
+            }
+        }
+        Ok(Self {
+            backend: SqliteBackend::open(location).await?,
+            private_file,
+        })
+    }
+
+    fn backend(&self) -> &SqliteBackend {
+        &self.backend
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            claim: "`BEGIN IMMEDIATE`, read the key, run the effect, write the record once (`INSERT … ON CONFLICT DO UPDATE` only replaces an expired record)",
+            key_columns: "`TEXT` (BINARY collation: byte for byte), `STRICT` table",
+            json_storage: "`TEXT` checked by `json_valid`",
+            retried: "`SQLITE_BUSY` after the 5 s busy timeout",
+            concurrent_sessions: self.backend.location() != &Location::Memory,
+            versions: "SQLite 3 (bundled by rusqlite 0.39)",
+        }
+    }
+
+    async fn server_version(&self) -> Result<String, DbError> {
+        self.backend
+            .interact(|c| c.query_row("SELECT 'SQLite ' || sqlite_version()", [], |r| r.get(0)))
+            .await
+    }
+
+    async fn setup(&self) -> Result<(), DbError> {
+        self.backend.migrate().await?;
+        self.backend
+            .interact(|c| c.execute_batch(CREATE_ACCOUNT))
+            .await
+    }
+
+    async fn set_balance(&self, account: i64, balance: i64) -> Result<(), DbError> {
+        self.backend
+            .interact(move |c| {
+                c.execute(
+                    "INSERT INTO idem_demo_account (account_id, balance) VALUES (?1, ?2) \
+                     ON CONFLICT (account_id) DO UPDATE SET balance = excluded.balance",
+                    params![account, balance],
+                )
+                .map(drop)
+            })
+            .await
+    }
+
+    async fn balance(&self, account: i64) -> Result<i64, DbError> {
+        self.backend
+            .interact(move |c| {
+                c.query_row(
+                    "SELECT balance FROM idem_demo_account WHERE account_id = ?1",
+                    [account],
+                    |r| r.get(0),
+                )
+            })
+            .await
+    }
+
+    fn debit(
+        tx: &mut SqliteTx,
+        account: i64,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<Balance, BankError>> {
+        run_effect(tx, account, amount, true)
+    }
+
+    fn credit(
+        tx: &mut SqliteTx,
+        account: i64,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<Balance, BankError>> {
+        run_effect(tx, account, amount, false)
+    }
+
+    async fn insert_record_directly(
+        &self,
+        principal: &str,
+        operation: &str,
+        key: &str,
+        request: &str,
+        response: &str,
+    ) -> Result<(), DbError> {
+        let row = [principal, operation, key, request, response].map(str::to_owned);
+        self.backend
+            .interact(move |c| {
+                c.execute(
+                    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, 0, 0)",
+                    params![row[0], row[1], row[2], row[3], row[4]],
+                )
+                .map(drop)
+            })
+            .await
+    }
+
+    async fn count_records(&self) -> Result<u64, DbError> {
+        let n: i64 = self
+            .backend
+            .interact(|c| c.query_row("SELECT count(*) FROM idem_request_result", [], |r| r.get(0)))
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    async fn close(self) -> Result<(), DbError> {
+        let Self {
+            backend,
+            private_file,
+        } = self;
+        drop(backend);
+        if let Some(file) = private_file {
+            for suffix in ["", "-wal", "-shm"] {
+                let mut name = file.clone().into_os_string();
+                name.push(suffix);
+                let _ = std::fs::remove_file(name);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,81 @@
+//! PostgreSQL SQLSTATE codes idem classifies.
+
+use idem_core::{DbError, ErrorKind};
+
+/// `unique_violation`.
+pub const UNIQUE_VIOLATION: &str = "23505";
+/// `serialization_failure`: the loser under REPEATABLE READ / SERIALIZABLE.
+pub const SERIALIZATION_FAILURE: &str = "40001";
+/// `deadlock_detected`.
+pub const DEADLOCK_DETECTED: &str = "40P01";
+/// `lock_not_available` (`lock_timeout`, `NOWAIT`).
+pub const LOCK_NOT_AVAILABLE: &str = "55P03";
+/// `in_failed_sql_transaction`: a statement after an error in the same transaction.
+pub const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
+/// The seed's "invalid parameter value" for a reused key.
+pub const INVALID_PARAMETER_VALUE: &str = "22023";
+
+/// What a SQLSTATE means for the protocol.
+pub fn kind_of(sqlstate: &str) -> ErrorKind {
+    match sqlstate {
+        UNIQUE_VIOLATION => ErrorKind::UniqueViolation,
+        SERIALIZATION_FAILURE => ErrorKind::SerializationFailure,
+        DEADLOCK_DETECTED => ErrorKind::Deadlock,
+        LOCK_NOT_AVAILABLE => ErrorKind::LockTimeout,
+        s if s.starts_with("08") => ErrorKind::Connection,
+        _ => ErrorKind::Other,
+    }
+}
+
+/// Classifies an sqlx error.
+pub fn classify(e: &sqlx::Error) -> ErrorKind {
+    match e {
+        sqlx::Error::Database(d) => d.code().map_or(ErrorKind::Other, |c| kind_of(&c)),
+        sqlx::Error::Io(_)
+        | sqlx::Error::Tls(_)
+        | sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed => ErrorKind::Connection,
+        sqlx::Error::Configuration(_) => ErrorKind::Configuration,
+        _ => ErrorKind::Other,
+    }
+}
+
+/// Wraps an sqlx error, keeping its SQLSTATE.
+pub fn db_error(e: sqlx::Error) -> DbError {
+    let kind = classify(&e);
+    let code = match &e {
+        sqlx::Error::Database(d) => d.code().map(|c| c.into_owned()),
+        _ => None,
+    };
+    let err = DbError::new("postgres", kind, e.to_string());
+    match code {
+        Some(code) => err.with_code(code),
+        None => err,
+    }
+    .with_source(e)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sqlstates_classify() {
+        assert_eq!(kind_of("23505"), ErrorKind::UniqueViolation);
+        assert_eq!(kind_of("40001"), ErrorKind::SerializationFailure);
+        assert_eq!(kind_of("40P01"), ErrorKind::Deadlock);
+        assert_eq!(kind_of("55P03"), ErrorKind::LockTimeout);
+        assert_eq!(kind_of("08006"), ErrorKind::Connection);
+        assert_eq!(
+            kind_of("23503"),
+            ErrorKind::Other,
+            "a foreign-key violation is not a duplicate"
+        );
+        assert_eq!(kind_of("25P02"), ErrorKind::Other);
+        assert!(
+            kind_of("40001").is_retryable()
+                && kind_of("40P01").is_retryable()
+                && !kind_of("23505").is_retryable()
+        );
+    }
+}
