@@ -1,1 +1,1 @@
-
+//! SQL Server backend for idem (work in progress).

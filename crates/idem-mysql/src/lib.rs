@@ -1,1 +1,1 @@
-
+//! MySQL and MariaDB backend for idem (work in progress).

@@ -1,1 +1,1 @@
-
+//! Oracle backend for idem (work in progress).
