@@ -1,1 +1,204 @@
-fn main() {}
+//! `idem`: the seed's walkthrough, migrations, purges, conformance checks and benchmarks,
+//! on an embedded SQLite by default and on any compiled-in engine by URL.
+
+mod bench;
+mod commands;
+mod demo;
+mod fail;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+pub(crate) use fail::Fail;
+
+/// The default database: a SQLite file in the current directory.
+const DEFAULT_URL: &str = "sqlite://idem.db";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "idem",
+    version,
+    about = "Safe retries of database writes: idempotency records on five SQL engines"
+)]
+struct Cli {
+    /// Database URL: sqlite::memory:, sqlite://idem.db, sqlite:///abs/path.db,
+    /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://…
+    #[arg(long, global = true, env = "IDEM_URL", default_value = DEFAULT_URL)]
+    url: String,
+
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run the seed's walkthrough (debit twice, reused key, duplicate insert, failed debit,
+    /// message consumer) in a private namespace that is removed afterwards.
+    Demo,
+    /// Apply idem's migrations to the database.
+    Migrate,
+    /// Run the conformance cases against the database and print what held and what was seen.
+    Check {
+        /// Also write the report as JSON (input for `idem docs`).
+        #[arg(long)]
+        json: Option<PathBuf>,
+    },
+    /// Delete records older than a duration, in bounded batches.
+    Purge {
+        /// For example 24h, 7d, 90m, 30s, 500ms. Never less than the retention you promise.
+        #[arg(long, value_parser = commands::parse_duration)]
+        older_than: std::time::Duration,
+        /// Rows per DELETE statement.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+        batch: u32,
+    },
+    /// Create an account or set its balance (the demo's `idem_demo_account` table), or show it.
+    Account {
+        /// The account's ID.
+        #[arg(long)]
+        id: i64,
+        /// The balance to set; without it, the balance is shown.
+        #[arg(long)]
+        balance: Option<i64>,
+    },
+    /// One idempotent debit: prints the JSON response; says on stderr whether it executed or
+    /// replayed. Exit codes: 3 key reused with a different request, 4 insufficient balance,
+    /// 5 no such account, 2 invalid input.
+    Debit {
+        /// The account to debit.
+        #[arg(long)]
+        account: i64,
+        /// The client's idempotency key.
+        #[arg(long)]
+        key: String,
+        /// A positive whole amount.
+        #[arg(long, allow_negative_numbers = true)]
+        amount: i64,
+        /// The authenticated principal (default: account-<ACCOUNT>).
+        #[arg(long)]
+        principal: Option<String>,
+    },
+    /// The consumer variant: credit an account once per (subscriber, message ID).
+    CreditMessage {
+        /// The consumer's name.
+        #[arg(long)]
+        subscriber: String,
+        /// The message's ID.
+        #[arg(long)]
+        message_id: String,
+        /// The account to credit.
+        #[arg(long)]
+        account: i64,
+        /// A positive whole amount.
+        #[arg(long, allow_negative_numbers = true)]
+        amount: i64,
+    },
+    /// Measure the protocol's paths on this database and print their cost ratios.
+    Bench {
+        /// Calls per path.
+        #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+        iterations: u32,
+    },
+    /// Generate docs/engines.md from `idem check --json` reports.
+    Docs {
+        /// Report files written by `idem check --json`.
+        #[arg(long = "report", required = true)]
+        reports: Vec<PathBuf>,
+        /// Where to write the Markdown.
+        #[arg(long, default_value = "docs/engines.md")]
+        out: PathBuf,
+    },
+}
+
+/// Runs `$body` with `$K` bound to the fixture type of the URL's engine.
+macro_rules! with_bank {
+    ($url:expr, $K:ident => $body:expr) => {{
+        match idem::Engine::from_url($url)? {
+            #[cfg(feature = "sqlite")]
+            idem::Engine::Sqlite => {
+                type $K = idem_conformance::sqlite::SqliteBank;
+                $body
+            }
+            #[cfg(feature = "postgres")]
+            idem::Engine::Postgres => {
+                type $K = idem_conformance::postgres::PgBank;
+                $body
+            }
+            #[cfg(feature = "mysql")]
+            idem::Engine::Mysql => {
+                type $K = idem_conformance::mysql::MysqlBank;
+                $body
+            }
+            #[cfg(feature = "mssql")]
+            idem::Engine::Mssql => {
+                type $K = idem_conformance::mssql::MssqlBank;
+                $body
+            }
+            #[cfg(feature = "oracle")]
+            idem::Engine::Oracle => {
+                type $K = idem_conformance::oracle::OracleBank;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            other => Err(Fail::from(other.not_compiled())),
+        }
+    }};
+}
+
+async fn run(cli: Cli) -> Result<(), Fail> {
+    let url = cli.url.as_str();
+    match cli.command {
+        Command::Demo => with_bank!(url, K => demo::run::<K>(url).await),
+        Command::Migrate => commands::migrate(url).await,
+        Command::Check { json } => {
+            with_bank!(url, K => commands::check::<K>(url, json.as_deref()).await)
+        }
+        Command::Purge { older_than, batch } => commands::purge(url, older_than, batch).await,
+        Command::Account { id, balance } => {
+            with_bank!(url, K => commands::account::<K>(url, id, balance).await)
+        }
+        Command::Debit {
+            account,
+            key,
+            amount,
+            principal,
+        } => {
+            with_bank!(url, K => commands::debit::<K>(url, account, &key, amount, principal).await)
+        }
+        Command::CreditMessage {
+            subscriber,
+            message_id,
+            account,
+            amount,
+        } => {
+            with_bank!(url, K => commands::credit_message::<K>(url, &subscriber, &message_id, account, amount).await)
+        }
+        Command::Bench { iterations } => {
+            with_bank!(url, K => bench::run::<K>(url, iterations).await)
+        }
+        Command::Docs { reports, out } => commands::docs(&reports, &out),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(fail) => {
+            eprintln!("error: {}", fail.message);
+            ExitCode::from(fail.code)
+        }
+    }
+}

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
 
-use crate::bank::{Bank, Capabilities};
+use idem::core::{Backend, BoxFuture, Claim, Claimed, DbError, Finish, Maintenance, Stored, Table};
+
+use crate::bank::{Balance, Bank, BankError, Capabilities};
 use crate::cases::{self, Case, CaseResult, Failure};
 
 /// Where a test target's engine is, or why it is skipped.
@@ -201,4 +203,80 @@ pub async fn check<K: Bank>(url: &str, progress: impl Fn(&CaseReport)) -> Result
         live: true,
         cases,
     })
+}
+
+/// A fixture type that is never constructed: lets documentation list the cases by name
+/// without an engine.
+#[derive(Debug)]
+pub enum NoBank {}
+
+impl Bank for NoBank {
+    type B = NeverBackend;
+    const ENGINE: &'static str = "none";
+
+    async fn connect(_: &str, _: Option<&str>) -> Result<Self, DbError> {
+        Err(DbError::new("none", idem::core::ErrorKind::Configuration, "no engine"))
+    }
+    fn backend(&self) -> &NeverBackend {
+        match *self {}
+    }
+    fn capabilities(&self) -> Capabilities {
+        match *self {}
+    }
+    async fn server_version(&self) -> Result<String, DbError> {
+        match *self {}
+    }
+    async fn setup(&self) -> Result<(), DbError> {
+        match *self {}
+    }
+    async fn set_balance(&self, _: i64, _: i64) -> Result<(), DbError> {
+        match *self {}
+    }
+    async fn balance(&self, _: i64) -> Result<i64, DbError> {
+        match *self {}
+    }
+    fn debit(tx: &mut NeverBackend, _: i64, _: i64) -> BoxFuture<'_, Result<Balance, BankError>> {
+        match *tx {}
+    }
+    fn credit(tx: &mut NeverBackend, _: i64, _: i64) -> BoxFuture<'_, Result<Balance, BankError>> {
+        match *tx {}
+    }
+    async fn insert_record_directly(&self, _: &str, _: &str, _: &str, _: &str, _: &str) -> Result<(), DbError> {
+        match *self {}
+    }
+    async fn count_records(&self) -> Result<u64, DbError> {
+        match *self {}
+    }
+    async fn close(self) -> Result<(), DbError> {
+        match self {}
+    }
+}
+
+/// The backend of [`NoBank`]: uninhabited.
+#[derive(Debug, Clone)]
+pub enum NeverBackend {}
+
+impl Backend for NeverBackend {
+    type Tx = NeverBackend;
+    async fn lookup(&self, _: &Claim<'_>) -> Result<Option<Stored>, DbError> {
+        match *self {}
+    }
+    async fn claim(&self, _: &Claim<'_>) -> Result<Claimed<NeverBackend>, DbError> {
+        match *self {}
+    }
+    async fn finish(&self, tx: NeverBackend, _: &Claim<'_>, _: Finish<'_>) -> Result<(), DbError> {
+        match tx {}
+    }
+    fn classify(&self, _: &(dyn std::error::Error + 'static)) -> Option<idem::core::ErrorKind> {
+        match *self {}
+    }
+}
+
+impl Maintenance for NeverBackend {
+    async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        match *self {}
+    }
+    async fn purge_batch(&self, _: Table, _: Duration, _: u32) -> Result<u64, DbError> {
+        match *self {}
+    }
 }

@@ -63,16 +63,19 @@ impl Bank for SqliteBank {
 
     async fn connect(url: &str, namespace: Option<&str>) -> Result<Self, DbError> {
         let (location, private_file) = namespaced(Location::parse(url)?, namespace);
-        if let Location::File(path) = &location {
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir).map_err(|e| {
-                    DbError::new(
-                        "sqlite",
-                        ErrorKind::Connection,
-                        format!("cannot create {}: {e}", dir.display()),
-                    )
-                })?;
-            }
+        // A private file for a test case may live in a directory not made yet.
+        if let Some(dir) = private_file
+            .as_deref()
+            .and_then(|f| f.parent())
+            .filter(|d| !d.as_os_str().is_empty())
+        {
+            std::fs::create_dir_all(dir).map_err(|e| {
+                DbError::new(
+                    "sqlite",
+                    ErrorKind::Connection,
+                    format!("cannot create {}: {e}", dir.display()),
+                )
+            })?;
         }
         Ok(Self {
             backend: SqliteBackend::open(location).await?,

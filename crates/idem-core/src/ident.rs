@@ -18,10 +18,7 @@ pub const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
 /// `varbinary` comparison ignores trailing `0x00`).
 fn validate(what: &'static str, value: &str) -> Result<(), InvalidInput> {
     if value.is_empty() {
-        return Err(InvalidInput::new(
-            what,
-            "must not be empty (Oracle stores '' as NULL)",
-        ));
+        return Err(InvalidInput::new(what, "must not be empty"));
     }
     if value.len() > MAX_IDENT_BYTES {
         return Err(InvalidInput::new(

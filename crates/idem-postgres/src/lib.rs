@@ -27,8 +27,9 @@ use idem_core::{
     Stored, Table,
 };
 pub use sqlx;
+use sqlx::postgres::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Postgres, Row};
+use sqlx::{Connection, Postgres, Row};
 
 pub use error_codes::db_error;
 
@@ -60,11 +61,17 @@ impl PgBackend {
         Self::connect_with(options, 40).await
     }
 
-    /// Connects with explicit options (for example a `search_path`).
+    /// Connects with explicit options (for example a `search_path`). One direct connection
+    /// is made first, so an unreachable server fails at once with the driver's own error
+    /// instead of a pool timeout.
     pub async fn connect_with(
         options: PgConnectOptions,
         max_connections: u32,
     ) -> Result<Self, DbError> {
+        let probe = PgConnection::connect_with(&options)
+            .await
+            .map_err(db_error)?;
+        probe.close().await.map_err(db_error)?;
         PgPoolOptions::new()
             .max_connections(max_connections)
             .acquire_timeout(Duration::from_secs(10))

@@ -275,10 +275,10 @@ impl Drop for Lease {
         if let Some(conn) = self.conn.take() {
             // A connection left inside a transaction (a cancelled future) is closed,
             // which rolls it back, instead of going back to the pool.
-            if conn.is_autocommit() {
-                if let Ok(mut idle) = self.inner.idle.lock() {
-                    idle.push(conn);
-                }
+            if conn.is_autocommit()
+                && let Ok(mut idle) = self.inner.idle.lock()
+            {
+                idle.push(conn);
             }
         }
     }

@@ -1,0 +1,71 @@
+//! Criterion benchmarks of the protocol's paths on SQLite (and PostgreSQL when
+//! `IDEM_POSTGRES_URL` is set): compare the paths' times within one run.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use idem::{Idem, Key, Operation, Principal, Request, Scope};
+use idem_conformance::Bank;
+use idem_conformance::harness::namespace;
+use serde_json::json;
+
+fn paths<K: Bank>(c: &mut Criterion, url: &str) {
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => panic!("tokio: {e}"),
+    };
+    let bank = rt.block_on(async {
+        let bank = K::connect(url, Some(&namespace("criterion"))).await?;
+        bank.setup().await?;
+        bank.set_balance(1, i64::MAX / 2).await?;
+        Ok::<_, idem::DbError>(bank)
+    });
+    let bank = match bank {
+        Ok(bank) => bank,
+        Err(e) => panic!("cannot prepare {}: {e}", K::ENGINE),
+    };
+    let idem = Idem::new(bank.backend().clone());
+    let scope = match (Principal::new("bench"), Operation::new("debit", 1)) {
+        (Ok(p), Ok(o)) => Scope::new(p, o),
+        _ => panic!("scope"),
+    };
+    let request = Request::new(json!({ "amount": 1 }));
+    let next = AtomicU64::new(0);
+    let mut group = c.benchmark_group(K::ENGINE);
+    group.bench_function("new_request", |b| {
+        b.to_async(&rt).iter(|| async {
+            let key = Key::new(format!("k-{}", next.fetch_add(1, Ordering::Relaxed)))
+                .map_err(|e| e.to_string());
+            let key = key.unwrap_or_else(|e| panic!("{e}"));
+            let out = idem
+                .execute(&scope, &key, &request, |tx| K::debit(tx, 1, 1))
+                .await;
+            assert!(out.is_ok());
+        });
+    });
+    group.bench_function("replay", |b| {
+        let key = Key::new("k-0").unwrap_or_else(|e| panic!("{e}"));
+        b.to_async(&rt).iter(|| async {
+            let out = idem
+                .execute(&scope, &key, &request, |tx| K::debit(tx, 1, 1))
+                .await;
+            assert!(matches!(out, Ok(idem::Outcome::Replayed(_))));
+        });
+    });
+    group.finish();
+    let _ = rt.block_on(bank.close());
+}
+
+fn benches(c: &mut Criterion) {
+    let dir = std::env::temp_dir().join("idem-bench");
+    paths::<idem_conformance::sqlite::SqliteBank>(
+        c,
+        &format!("sqlite://{}/bench.db", dir.display()),
+    );
+    if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
+        paths::<idem_conformance::postgres::PgBank>(c, &url);
+    }
+}
+
+criterion_group!(protocol, benches);
+criterion_main!(protocol);

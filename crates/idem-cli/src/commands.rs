@@ -1,0 +1,255 @@
+//! The single-purpose commands.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use idem::{
+    AnyBackend, Consumed, Idem, InvalidInput, Key, MessageId, Operation, Outcome, Principal,
+    Request, Scope, Subscriber,
+};
+use idem_conformance::harness::{self, Report};
+use idem_conformance::{Bank, docs};
+use serde_json::json;
+
+use crate::fail::{self, Fail};
+
+/// Parses `500ms`, `30s`, `90m`, `24h`, `7d` (a positive whole number and a unit).
+pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (digits, unit) = s.split_at(split);
+    let n: u64 = digits
+        .parse()
+        .map_err(|_| format!("{s:?} is not a duration like 24h, 7d, 90m, 30s or 500ms"))?;
+    let secs = |mult: u64| n.checked_mul(mult).map(Duration::from_secs);
+    let d = match unit {
+        "ms" => Some(Duration::from_millis(n)),
+        "s" => secs(1),
+        "m" => secs(60),
+        "h" => secs(3600),
+        "d" => secs(86_400),
+        "" => return Err(format!("{s:?} needs a unit: ms, s, m, h or d")),
+        other => {
+            return Err(format!(
+                "unknown unit {other:?} in {s:?}: use ms, s, m, h or d"
+            ));
+        }
+    }
+    .ok_or_else(|| format!("{s:?} is too long"))?;
+    if d.is_zero() {
+        return Err("the duration must be more than zero".into());
+    }
+    Ok(d)
+}
+
+/// The demo's rule (the seed's 22023): amounts are positive whole numbers.
+pub(crate) fn positive(amount: i64) -> Result<(), InvalidInput> {
+    if amount <= 0 {
+        return Err(InvalidInput::new(
+            "amount",
+            format!("{amount} is not a positive whole number"),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) async fn migrate(url: &str) -> Result<(), Fail> {
+    let backend = AnyBackend::connect(url).await?;
+    let applied = backend.migrate().await?;
+    if applied.is_empty() {
+        println!("schema is up to date");
+    } else {
+        println!("applied migrations: {applied:?}");
+    }
+    Ok(())
+}
+
+pub(crate) async fn purge(url: &str, older_than: Duration, batch: u32) -> Result<(), Fail> {
+    let backend = AnyBackend::connect(url).await?;
+    let report = backend.purge(older_than, batch).await?;
+    println!(
+        "deleted {} request records and {} processed messages older than {older_than:?} in {} statements",
+        report.requests, report.messages, report.batches
+    );
+    Ok(())
+}
+
+async fn connected<K: Bank>(url: &str) -> Result<K, Fail> {
+    let bank = K::connect(url, None).await?;
+    bank.setup().await?;
+    Ok(bank)
+}
+
+pub(crate) async fn account<K: Bank>(url: &str, id: i64, balance: Option<i64>) -> Result<(), Fail> {
+    let bank = connected::<K>(url).await?;
+    let result = async {
+        if let Some(balance) = balance {
+            if balance < 0 {
+                return Err(Fail::from(InvalidInput::new(
+                    "balance",
+                    "must not be negative",
+                )));
+            }
+            bank.set_balance(id, balance).await?;
+        }
+        let balance = bank.balance(id).await.map_err(|e| match e.kind() {
+            idem::ErrorKind::Other => Fail::new(
+                fail::NO_ACCOUNT,
+                format!("no account {id}: create it with --balance"),
+            ),
+            _ => Fail::from(e),
+        })?;
+        println!("{}", json!({ "account": id, "balance": balance }));
+        Ok(())
+    }
+    .await;
+    bank.close().await?;
+    result
+}
+
+pub(crate) async fn debit<K: Bank>(
+    url: &str,
+    account: i64,
+    key: &str,
+    amount: i64,
+    principal: Option<String>,
+) -> Result<(), Fail> {
+    let key = Key::new(key)?;
+    positive(amount)?;
+    let principal = Principal::new(principal.unwrap_or_else(|| format!("account-{account}")))?;
+    let scope = Scope::new(principal, Operation::new("debit", 1)?);
+    let bank = connected::<K>(url).await?;
+    let idem = Idem::new(bank.backend().clone());
+    let out = idem
+        .execute(
+            &scope,
+            &key,
+            &Request::new(json!({ "amount": amount })),
+            |tx| K::debit(tx, account, amount),
+        )
+        .await;
+    bank.close().await?;
+    match out? {
+        Outcome::Executed(b) => {
+            println!("{}", json!(b));
+            eprintln!("executed: debited {amount} from account {account} under key \"{key}\"");
+        }
+        Outcome::Replayed(b) => {
+            println!("{}", json!(b));
+            eprintln!(
+                "replayed: the stored response of the earlier call with key \"{key}\"; nothing was debited now"
+            );
+        }
+    }
+    Ok(())
+}
+
+pub(crate) async fn credit_message<K: Bank>(
+    url: &str,
+    subscriber: &str,
+    message_id: &str,
+    account: i64,
+    amount: i64,
+) -> Result<(), Fail> {
+    let subscriber = Subscriber::new(subscriber)?;
+    let message_id = MessageId::new(message_id)?;
+    positive(amount)?;
+    let payload = Request::new(json!({ "account": account, "amount": amount }));
+    let bank = connected::<K>(url).await?;
+    let idem = Idem::new(bank.backend().clone());
+    let out = idem
+        .consume(&subscriber, &message_id, Some(&payload), |tx| {
+            K::credit(tx, account, amount)
+        })
+        .await;
+    bank.close().await?;
+    match out? {
+        Consumed::Applied(b) => {
+            println!("{}", json!(b));
+            eprintln!("applied: {subscriber} processed message {message_id}; acknowledge it now");
+        }
+        Consumed::Duplicate => {
+            eprintln!(
+                "duplicate: {subscriber} already processed message {message_id}; nothing changed, acknowledge it"
+            );
+        }
+    }
+    Ok(())
+}
+
+pub(crate) async fn check<K: Bank>(url: &str, json_out: Option<&Path>) -> Result<(), Fail> {
+    println!("idem check: {} at {}", K::ENGINE, idem::redact(url));
+    let report = harness::check::<K>(url, |row| match &row.failure {
+        None => println!("  pass  {:<40} {:>6} ms", row.name, row.millis),
+        Some(why) => println!("  FAIL  {:<40} {:>6} ms  {why}", row.name, row.millis),
+    })
+    .await
+    .map_err(|e| Fail::new(1, e.to_string()))?;
+    println!("server: {}", report.server);
+    println!("documented behaviour:");
+    for (what, how) in &report.capabilities {
+        println!("  {what}: {how}");
+    }
+    println!("observed:");
+    for (what, how) in report.cases.iter().flat_map(|c| c.observations.iter()) {
+        println!("  {what}: {how}");
+    }
+    let failed = report.cases.iter().filter(|c| c.failure.is_some()).count();
+    println!(
+        "check: {} passed, {failed} failed",
+        report.cases.len() - failed
+    );
+    if let Some(path) = json_out {
+        let text =
+            serde_json::to_string_pretty(&report).map_err(|e| Fail::new(1, e.to_string()))?;
+        std::fs::write(path, text)
+            .map_err(|e| Fail::new(1, format!("cannot write {}: {e}", path.display())))?;
+    }
+    if failed > 0 {
+        return Err(Fail::new(
+            fail::CHECK_FAILED,
+            format!("{failed} conformance case(s) failed on {}", K::ENGINE),
+        ));
+    }
+    Ok(())
+}
+
+pub(crate) fn docs(paths: &[PathBuf], out: &Path) -> Result<(), Fail> {
+    let mut reports = Vec::new();
+    for path in paths {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Fail::new(1, format!("cannot read {}: {e}", path.display())))?;
+        let report: Report = serde_json::from_str(&text).map_err(|e| {
+            Fail::new(
+                fail::INVALID_INPUT,
+                format!(
+                    "{} is not an `idem check --json` report: {e}",
+                    path.display()
+                ),
+            )
+        })?;
+        reports.push(report);
+    }
+    let markdown = docs::engines_markdown(&reports);
+    std::fs::write(out, markdown)
+        .map_err(|e| Fail::new(1, format!("cannot write {}: {e}", out.display())))?;
+    println!("wrote {}", out.display());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse() {
+        assert_eq!(parse_duration("24h"), Ok(Duration::from_secs(86_400)));
+        assert_eq!(parse_duration("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+        assert!(parse_duration("0s").is_err());
+        assert!(parse_duration("10").unwrap_err().contains("needs a unit"));
+        assert!(parse_duration("10w").unwrap_err().contains("unknown unit"));
+        assert!(parse_duration("-1h").is_err());
+        assert!(parse_duration("99999999999999999999d").is_err());
+    }
+}
