@@ -109,7 +109,12 @@ enum Done<R, J> {
 }
 
 enum Step<E> {
+    /// A retryable engine error: back off, then a new attempt (counted).
     Retry(DbError),
+    /// The effect returned a final rejection: store it in a fresh transaction now
+    /// (not a failure, so not counted and no backoff).
+    StoreRejection,
+    /// Give up with this error.
     Fail(Error<E>),
 }
 
@@ -417,19 +422,13 @@ impl<B: Backend> Idem<B> {
                         // rejection in a transaction of its own.
                         self.backend.finish(tx, &claim, Finish::Rollback).await?;
                         rejection = Some(j);
-                        Err(Step::Retry(DbError::new(
-                            "idem",
-                            ErrorKind::Transient,
-                            "storing a final rejection",
-                        )))
+                        Err(Step::StoreRejection)
                     }
                 }
             };
             match step.await {
                 Ok(done) => return Ok(done),
-                Err(Step::Retry(e)) if rejection.is_some() && e.kind() == ErrorKind::Transient => {
-                    attempt -= 1;
-                }
+                Err(Step::StoreRejection) => {}
                 Err(step) => self.next_attempt(step, attempt).await?,
             }
         }
@@ -482,6 +481,7 @@ impl<B: Backend> Idem<B> {
     async fn next_attempt<E>(&self, step: Step<E>, attempt: u32) -> Result<(), Error<E>> {
         match step {
             Step::Fail(e) => Err(e),
+            Step::StoreRejection => Ok(()),
             Step::Retry(last) if attempt >= self.retry.max_attempts => {
                 Err(Error::RetriesExhausted {
                     attempts: attempt,

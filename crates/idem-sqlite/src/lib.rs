@@ -311,7 +311,7 @@ fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
-fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option<Stored>> {
+fn read_record(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, DbError> {
     let retention = micros(claim.retention);
     match &claim.id {
         IdOwned::Request {
@@ -319,7 +319,8 @@ fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option
             operation,
             key,
         } => conn
-            .prepare_cached(sql::SELECT_REQUEST)?
+            .prepare_cached(sql::SELECT_REQUEST)
+            .map_err(db_error)?
             .query_row(params![principal, operation, key, retention], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
@@ -328,18 +329,21 @@ fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option
                 ))
             })
             .optional()
-            .map(|row| {
-                row.map(|(request, response, status)| Stored {
+            .map_err(db_error)?
+            .map(|(request, response, status)| {
+                Ok(Stored {
                     request: Some(request),
                     response: Some(response),
-                    status: Status::from_code(status).unwrap_or(Status::Succeeded),
+                    status: Status::from_code(status)?,
                 })
-            }),
+            })
+            .transpose(),
         IdOwned::Message {
             subscriber,
             message_id,
         } => conn
-            .prepare_cached(sql::SELECT_MESSAGE)?
+            .prepare_cached(sql::SELECT_MESSAGE)
+            .map_err(db_error)?
             .query_row(params![subscriber, message_id, retention], |r| {
                 r.get::<_, Option<String>>(0)
             })
@@ -350,7 +354,8 @@ fn read_record(conn: &Connection, claim: &ClaimOwned) -> rusqlite::Result<Option
                     response: None,
                     status: Status::Succeeded,
                 })
-            }),
+            })
+            .map_err(db_error),
     }
 }
 
@@ -404,7 +409,8 @@ impl Backend for SqliteBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let claim = ClaimOwned::from(claim);
-        self.interact(move |c| read_record(c, &claim)).await
+        let mut lease = self.lease().await?;
+        lease.run(move |c| read_record(c, &claim)).await
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<SqliteTx>, DbError> {
@@ -421,7 +427,7 @@ impl Backend for SqliteBackend {
                     }
                     Err(e) => {
                         let _ = c.execute_batch(sql::ROLLBACK);
-                        Err(db_error(e))
+                        Err(e)
                     }
                 }
             })
