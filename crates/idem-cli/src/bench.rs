@@ -51,6 +51,9 @@ pub(crate) async fn run<K: Bank>(url: &str, iterations: u32) -> Result<(), Fail>
             println!("{name:<50} {:>12.1} {:>10.2}", per * 1e6, per / base);
         }
         println!("(ratios are relative to the first row, measured in this run; absolute times depend on the machine)");
+        if cfg!(debug_assertions) {
+            println!("(this is a debug build: run `cargo run --release -p idem-cli -- bench` for representative figures)");
+        }
         Ok(())
     }
     .await;

@@ -199,8 +199,10 @@ fn counter() -> Arc<AtomicUsize> {
 // cases
 
 /// (a) The effect runs in the engine's transaction: until commit, another session sees
-/// neither its write nor the record; after commit it sees both.
+/// neither its write nor the record; after commit it sees both. An engine without
+/// concurrent sessions (in-memory SQLite) cannot show the first half, and says so.
 pub async fn effect_commits_with_record<K: Bank>(bank: Arc<K>) -> CaseResult {
+    let concurrent = bank.capabilities().concurrent_sessions;
     bank.set_balance(1, 1000).await?;
     let idem = idem(&*bank);
     let scope = scope("account-1", "debit:v1")?;
@@ -218,6 +220,13 @@ pub async fn effect_commits_with_record<K: Bank>(bank: Arc<K>) -> CaseResult {
                 (Arc::clone(&b2), s2.clone(), k2.clone(), Arc::clone(&seen));
             Box::pin(async move {
                 let b = K::debit(tx, 1, 100).await?;
+                if !concurrent {
+                    let why = "not observable: one connection (in-memory database)";
+                    if let Ok(mut g) = seen.lock() {
+                        *g = Some((why.to_owned(), why.to_owned()));
+                    }
+                    return Ok(b);
+                }
                 let wait = Duration::from_secs(1);
                 let balance = match tokio::time::timeout(wait, bank.balance(1)).await {
                     Ok(Ok(1000)) => "no (another session reads the committed 1000)".to_owned(),
