@@ -30,8 +30,8 @@ step "build"
 cargo build --workspace --all-targets --all-features --locked
 
 step "unit, snapshot, offline and doc tests (no database server)"
-cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-mysql
-cargo test --locked -p idem-mysql --all-features --lib --doc
+cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql
+cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib --doc
 cargo test --locked -p idem-tests --all-features --test workflows
 
 for engine in sqlite postgres mysql mssql oracle; do
@@ -41,12 +41,17 @@ for engine in sqlite postgres mysql mssql oracle; do
   esac
   step "conformance suite: $engine"
   cargo test --locked -p idem-tests --all-features --test "$engine"
+  case $engine in
+    postgres)
+      step "PostgreSQL: serialization failures retried with the same key"
+      cargo test --locked -p idem-postgres --all-features --tests
+      ;;
+    mysql)
+      step "MariaDB: deadlocks retried with the same key"
+      cargo test --locked -p idem-mysql --all-features --tests
+      ;;
+  esac
 done
-
-if wants mysql; then
-  step "MariaDB deadlock retry test"
-  cargo test --locked -p idem-mysql --all-features --test deadlock
-fi
 
 step "the README's walkthrough"
 demo_dir=$(mktemp -d)
