@@ -2,6 +2,8 @@
 //! winner's row; idem classifies it and retries the whole transaction with the same key.
 //! Needs PostgreSQL (`IDEM_POSTGRES_URL`, default the local server); fails if unreachable.
 
+#![allow(clippy::unwrap_used)] // test helpers: a failed setup should stop the test loudly
+
 use std::str::FromStr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
