@@ -215,7 +215,11 @@ impl Bank for NoBank {
     const ENGINE: &'static str = "none";
 
     async fn connect(_: &str, _: Option<&str>) -> Result<Self, DbError> {
-        Err(DbError::new("none", idem::core::ErrorKind::Configuration, "no engine"))
+        Err(DbError::new(
+            "none",
+            idem::core::ErrorKind::Configuration,
+            "no engine",
+        ))
     }
     fn backend(&self) -> &NeverBackend {
         match *self {}
@@ -241,7 +245,14 @@ impl Bank for NoBank {
     fn credit(tx: &mut NeverBackend, _: i64, _: i64) -> BoxFuture<'_, Result<Balance, BankError>> {
         match *tx {}
     }
-    async fn insert_record_directly(&self, _: &str, _: &str, _: &str, _: &str, _: &str) -> Result<(), DbError> {
+    async fn insert_record_directly(
+        &self,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: &str,
+        _: &str,
+    ) -> Result<(), DbError> {
         match *self {}
     }
     async fn count_records(&self) -> Result<u64, DbError> {

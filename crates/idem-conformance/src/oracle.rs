@@ -77,7 +77,10 @@ async fn drop_user(admin: &OracleBackend, name: &str) -> Result<(), DbError> {
     let statement = format!("DROP USER {name} CASCADE");
     for attempt in 1..=10 {
         let sql = statement.clone();
-        match admin.interact(move |c| c.execute(&sql, &[]).map(drop)).await {
+        match admin
+            .interact(move |c| c.execute(&sql, &[]).map(drop))
+            .await
+        {
             Err(e) if e.code() == Some(USER_CONNECTED) && attempt < 10 => {
                 // A session of the user is still logging off.
                 tokio::time::sleep(Duration::from_millis(200)).await;

@@ -449,7 +449,10 @@ impl<B: Backend> Idem<B> {
         match effect(&mut tx).await {
             Ok(r) => Ok((tx, r)),
             Err(e) => {
-                self.backend.finish(tx, claim, Finish::Rollback).await?;
+                // The effect's error is the one to report. If the rollback fails too
+                // (a dead connection), the server rolls the transaction back anyway and
+                // the backend discards the connection.
+                let _ = self.backend.finish(tx, claim, Finish::Rollback).await;
                 match self.classify_chain(&e) {
                     Some(kind) if kind.is_retryable() => {
                         let msg = e.to_string();

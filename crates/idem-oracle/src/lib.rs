@@ -1,1 +1,993 @@
-//! Oracle backend for idem (work in progress).
+//! Oracle backend for idem, on the [`oracle`] crate (ODPI-C over Oracle Client).
+//!
+//! # The claim
+//!
+//! A **plain `INSERT`** of the record, with its response still `NULL`, in the effect's
+//! transaction. Oracle makes an insert whose primary key collides with another
+//! session's *uncommitted* row wait for that transaction: if it commits, the insert
+//! fails with ORA-00001; if it rolls back, the insert succeeds and this caller takes
+//! the key over. A failed statement is rolled back on its own (statement-level
+//! rollback), so the transaction stays usable after ORA-00001 — unlike PostgreSQL's
+//! 25P02 there is nothing to recover from. After ORA-00001 a **separate `SELECT`**
+//! reads the winner's record: under READ COMMITTED (Oracle's default) every statement
+//! reads the data committed before *it* began, so the row whose commit raised
+//! ORA-00001 is visible. If the record found is expired (older than the operation's
+//! retention, by the database clock) a guarded `UPDATE … WHERE created_at < cutoff`
+//! takes it over; if it vanished (purged) the claim inserts again.
+//!
+//! The placeholder exists only inside the winner's transaction: READ COMMITTED never
+//! shows uncommitted rows to other sessions, and the response is stored just before
+//! `COMMIT`. There is no `MERGE` (two concurrent MERGEs can both take the "not
+//! matched" branch and one fails with ORA-00001 anyway).
+//!
+//! Under SERIALIZABLE isolation Oracle raises ORA-08177 where READ COMMITTED would
+//! wait and read; idem retries the whole transaction with the same key (ORA-08177,
+//! ORA-00060 deadlocks, ORA-00054/ORA-30006 lock timeouts; bounded and jittered), also
+//! when the error comes from an effect ([`Backend::classify`]). ORA-00060 rolls back
+//! only the failed statement; idem rolls back the rest before retrying.
+//!
+//! # Storage
+//!
+//! Scope and key columns are `RAW(255)` and bound as bytes, so comparisons are binary
+//! whatever the session's `NLS_COMP`/`NLS_SORT` (`LINGUISTIC` sessions compare
+//! *character* types by their linguistic rules; RAW is never affected). Oracle stores
+//! `''` — and an empty RAW — as NULL: idem-core refuses empty keys, and this backend
+//! refuses an empty identifier again before binding. JSON is `CLOB` text (bound
+//! through Oracle's LOB data interface as LONG data, any size, one round trip); the
+//! database character set must be Unicode (`AL32UTF8`, the default since 12.2), which
+//! [`Maintenance::migrate`] checks. Ages use `SYS_EXTRACT_UTC(SYSTIMESTAMP)`, the
+//! database server's clock in UTC.
+//!
+//! # Connections
+//!
+//! The `oracle` crate is blocking, so every call runs on tokio's blocking pool
+//! ([`tokio::task::spawn_blocking`]) with a connection moved there and back. The
+//! backend keeps its own small pool (32 connections by default): standalone
+//! connections, opened lazily, reused when idle, closed when a session is dead, and
+//! rolled back before reuse if a transaction was left open. Effects get an
+//! [`OracleTx`] and run their SQL with [`OracleTx::run`].
+//!
+//! The `oracle` crate loads the Oracle Client library at run time. Without one,
+//! [`OracleBackend::connect`] fails at once with
+//! [`ErrorKind::ClientLibraryMissing`] (DPI-1047) and says what to install.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::{serde_json, Idem, Key, Operation, Principal, Request, Scope};
+//! use idem_oracle::OracleBackend;
+//!
+//! let idem = Idem::new(OracleBackend::connect("oracle://app:secret@localhost:1521/FREEPDB1").await?);
+//! idem.migrate().await?;
+//! let scope = Scope::new(Principal::new("user-7")?, Operation::new("debit", 1)?);
+//! let outcome = idem
+//!     .execute(&scope, &Key::new("checkout-42")?, &Request::new(serde_json::json!({"amount": 100})), |tx| {
+//!         Box::pin(async move {
+//!             tx.run(|c| c.execute("UPDATE account SET balance = balance - 100 WHERE id = 1", &[]).map(drop))
+//!                 .await
+//!                 .map(|()| serde_json::json!({"ok": true}))
+//!                 .map_err(idem_oracle::db_error)
+//!         })
+//!     })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+pub mod error_codes;
+mod options;
+mod sql;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use idem_core::{
+    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
+    Stored, Table,
+};
+pub use oracle;
+use oracle::sql_type::OracleType;
+use oracle::{Connection, Connector};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+
+pub use error_codes::db_error;
+pub use options::{ConnectOptions, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, MAX_CONNECTIONS_LIMIT};
+
+/// The migrations embedded from `migrations/oracle/`.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "0001_idempotency_records.sql",
+    sql: include_str!("../../../migrations/oracle/0001_idempotency_records.sql"),
+}];
+
+const ENGINE: &str = "oracle";
+
+/// How often a claim re-tries inside one transaction when the conflicting record
+/// vanished (purged) or was taken over between statements.
+const CLAIM_ROUNDS: usize = 3;
+
+/// The longest interval bound, in microseconds (1000 years). Longer retentions mean
+/// "never expires" and are clamped, so the cutoff stays inside Oracle's date range.
+const MAX_INTERVAL_MICROS: i64 = 1000 * 31_557_600 * 1_000_000;
+
+/// The character sets in which CLOB text holds every Unicode character.
+const UNICODE_CHARSETS: &[&str] = &["AL32UTF8", "UTF8"];
+
+/// ORA numbers a migration statement may raise when its object already exists (a
+/// concurrent or interrupted earlier run): Oracle DDL has no `IF NOT EXISTS` before
+/// 23ai, and every DDL statement commits on its own.
+const ALREADY_EXISTS: &[i32] = &[
+    error_codes::NAME_IN_USE,
+    error_codes::COLUMNS_ALREADY_INDEXED,
+];
+
+struct Inner {
+    options: ConnectOptions,
+    idle: Mutex<Vec<Connection>>,
+    permits: Arc<Semaphore>,
+}
+
+/// An idem backend on an Oracle database, with a small pool of connections.
+#[derive(Clone)]
+pub struct OracleBackend {
+    inner: Arc<Inner>,
+}
+
+impl fmt::Debug for OracleBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OracleBackend")
+            .field("options", &self.inner.options)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OracleBackend {
+    /// Connects by URL: `oracle://user:password@host[:port]/service_name`, user and
+    /// password percent-encoded, port 1521 by default, optional `?max_connections=N`
+    /// (see [`ConnectOptions::from_url`]). One connection is opened now, so a missing
+    /// Oracle Client library, a bad address or bad credentials fail here.
+    pub async fn connect(url: &str) -> Result<Self, DbError> {
+        Self::connect_with(ConnectOptions::from_url(url)?).await
+    }
+
+    /// Connects with explicit options (any connect string Oracle Client accepts).
+    pub async fn connect_with(options: ConnectOptions) -> Result<Self, DbError> {
+        let backend = Self::unconnected(options);
+        drop(backend.lease().await?);
+        Ok(backend)
+    }
+
+    /// A backend that opens its first connection on first use.
+    fn unconnected(options: ConnectOptions) -> Self {
+        let permits = Arc::new(Semaphore::new(options.pool_size()));
+        Self {
+            inner: Arc::new(Inner {
+                options,
+                idle: Mutex::new(Vec::new()),
+                permits,
+            }),
+        }
+    }
+
+    /// The options this backend connects with.
+    pub fn options(&self) -> &ConnectOptions {
+        &self.inner.options
+    }
+
+    /// Closes the pool: waits until every leased connection has come back (an open
+    /// [`OracleTx`] included), then closes the idle connections on the blocking pool.
+    /// Later calls on this backend or its clones fail with "connection pool closed".
+    pub async fn close(&self) {
+        let all = u32::try_from(self.inner.options.pool_size()).unwrap_or(u32::MAX);
+        let held = Arc::clone(&self.inner.permits)
+            .acquire_many_owned(all)
+            .await;
+        self.inner.permits.close();
+        let idle = self
+            .inner
+            .idle
+            .lock()
+            .map(|mut v| std::mem::take(&mut *v))
+            .unwrap_or_default();
+        if !idle.is_empty() {
+            let closing = tokio::task::spawn_blocking(move || {
+                for conn in idle {
+                    let _ = conn.close();
+                }
+            });
+            let _ = closing.await;
+        }
+        drop(held);
+    }
+
+    /// Runs `f` on a pooled connection, outside any idem transaction, on the blocking
+    /// pool. Commit what `f` writes inside `f`: a transaction left open is rolled back
+    /// before the connection is reused.
+    pub async fn interact<T, F>(&self, f: F) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> oracle::Result<T> + Send + 'static,
+        T: Send + 'static,
+    {
+        let mut lease = self.lease().await?;
+        lease.run(move |c| f(c).map_err(db_error)).await
+    }
+
+    async fn lease(&self) -> Result<Lease, DbError> {
+        let permit = Arc::clone(&self.inner.permits)
+            .acquire_owned()
+            .await
+            .map_err(|_| DbError::new(ENGINE, ErrorKind::Other, "connection pool closed"))?;
+        let idle = self.inner.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
+        let conn = match idle {
+            Some(conn) => conn,
+            None => {
+                let inner = Arc::clone(&self.inner);
+                tokio::task::spawn_blocking(move || open_connection(&inner.options))
+                    .await
+                    .map_err(|e| {
+                        DbError::new(
+                            ENGINE,
+                            ErrorKind::Other,
+                            format!("opening a connection failed: {e}"),
+                        )
+                    })??
+            }
+        };
+        Ok(Lease {
+            conn: Some(conn),
+            in_transaction: false,
+            permit: Some(permit),
+            inner: Arc::clone(&self.inner),
+        })
+    }
+}
+
+/// Opens one standalone connection. Errors name the address and user, never the
+/// password; a missing client library says what to install.
+fn open_connection(options: &ConnectOptions) -> Result<Connection, DbError> {
+    Connector::new(options.user(), options.password(), options.connect_string())
+        .connect()
+        .map_err(|e| {
+            let kind = error_codes::classify(&e);
+            let message = if kind == ErrorKind::ClientLibraryMissing {
+                format!(
+                    "cannot load Oracle Client: {} (driver: {e})",
+                    error_codes::CLIENT_INSTALL_HINT
+                )
+            } else {
+                format!(
+                    "cannot connect to {} as {}: {e}",
+                    options.connect_string(),
+                    options.user()
+                )
+            };
+            let err = DbError::new(ENGINE, kind, message);
+            match error_codes::code_text(&e) {
+                Some(code) => err.with_code(code),
+                None => err,
+            }
+            .with_source(e)
+        })
+}
+
+/// Whether the session still works, as far as the client knows without a round trip.
+fn is_healthy(conn: &Connection) -> bool {
+    matches!(conn.status(), Ok(oracle::ConnStatus::Normal))
+}
+
+/// Whether the session has an open transaction (a client-side attribute: no round
+/// trip). Unknown counts as open, so the connection is rolled back before reuse.
+fn has_transaction(conn: &Connection) -> bool {
+    conn.oci_attr::<oracle::oci_attr::TransactionInProgress>()
+        .unwrap_or(true)
+}
+
+/// A pooled connection, given back on drop: as it is when it has no open transaction,
+/// after a rollback (on the blocking pool) when it has one, and closed when its session
+/// is dead.
+struct Lease {
+    conn: Option<Connection>,
+    in_transaction: bool,
+    permit: Option<OwnedSemaphorePermit>,
+    inner: Arc<Inner>,
+}
+
+impl Lease {
+    /// Moves the connection to the blocking pool, runs `f`, and takes it back.
+    ///
+    /// # Panics
+    ///
+    /// Re-raises a panic of `f`. The connection goes down with a panicking `f`, so a
+    /// later call on the same lease panics too; so does a call after the runtime
+    /// began shutting down (the blocking task was cancelled).
+    async fn run<T, F>(&mut self, f: F) -> T
+    where
+        F: FnOnce(&Connection) -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        let conn = self
+            .conn
+            .take()
+            .expect("a lease holds its connection between calls");
+        match tokio::task::spawn_blocking(move || {
+            let out = f(&conn);
+            let open = has_transaction(&conn);
+            (conn, out, open)
+        })
+        .await
+        {
+            Ok((conn, out, open)) => {
+                self.conn = Some(conn);
+                self.in_transaction = open;
+                out
+            }
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(e) => panic!("blocking Oracle task was cancelled: {e}"),
+        }
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        let Some(conn) = self.conn.take() else {
+            return;
+        };
+        let (inner, permit) = (Arc::clone(&self.inner), self.permit.take());
+        let give_back = move |conn: Connection, rollback: bool| {
+            let reusable = is_healthy(&conn) && (!rollback || conn.rollback().is_ok());
+            if reusable && let Ok(mut idle) = inner.idle.lock() {
+                idle.push(conn);
+            }
+            // Otherwise `conn` is dropped here: ODPI-C closes it, rolling back any
+            // transaction first.
+            drop(permit);
+        };
+        let rollback = self.in_transaction;
+        if !rollback && is_healthy(&conn) {
+            give_back(conn, false);
+        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            // A rollback or a close is a round trip: never on an async worker.
+            drop(rt.spawn_blocking(move || give_back(conn, rollback)));
+        } else {
+            give_back(conn, rollback);
+        }
+    }
+}
+
+/// The open transaction handed to effects.
+pub struct OracleTx {
+    lease: Lease,
+}
+
+impl fmt::Debug for OracleTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OracleTx").finish_non_exhaustive()
+    }
+}
+
+impl OracleTx {
+    /// Runs `f` on the transaction's connection, on tokio's blocking pool. Everything
+    /// `f` writes commits or rolls back with the idempotency record. Do not call
+    /// `commit` or `rollback` yourself, and do not run DDL (Oracle DDL commits).
+    ///
+    /// # Panics
+    ///
+    /// Re-raises a panic of `f`, after which the transaction is gone.
+    pub async fn run<T, F>(&mut self, f: F) -> T
+    where
+        F: FnOnce(&Connection) -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        self.lease.run(f).await
+    }
+}
+
+/// Microseconds for `NUMTODSINTERVAL(:n / 1000000, 'SECOND')`, clamped to 1000 years.
+fn interval_micros(d: Duration) -> i64 {
+    i64::try_from(d.as_micros())
+        .unwrap_or(i64::MAX)
+        .min(MAX_INTERVAL_MICROS)
+}
+
+/// A stored identifier's bytes. Oracle stores an empty RAW as NULL, so an empty one is
+/// refused here, before binding (idem-core has refused it already).
+fn ident_bytes(what: &str, value: &str) -> Result<Vec<u8>, DbError> {
+    if value.is_empty() {
+        return Err(DbError::new(
+            ENGINE,
+            ErrorKind::Other,
+            format!("refusing an empty {what}: Oracle stores an empty value as NULL"),
+        ));
+    }
+    Ok(value.as_bytes().to_vec())
+}
+
+/// An owned copy of a claim, to move onto the blocking pool.
+#[derive(Clone)]
+struct ClaimOwned {
+    id: IdOwned,
+    request: Option<String>,
+    retention: i64,
+}
+
+#[derive(Clone)]
+enum IdOwned {
+    Request {
+        principal: Vec<u8>,
+        operation: Vec<u8>,
+        key: Vec<u8>,
+    },
+    Message {
+        subscriber: Vec<u8>,
+        message_id: Vec<u8>,
+    },
+}
+
+impl ClaimOwned {
+    fn new(c: &Claim<'_>) -> Result<Self, DbError> {
+        let id = match c.id {
+            Identity::Request { scope, key } => IdOwned::Request {
+                principal: ident_bytes("principal", scope.principal.as_str())?,
+                operation: ident_bytes("operation", scope.operation.as_str())?,
+                key: ident_bytes("idempotency key", key.as_str())?,
+            },
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => IdOwned::Message {
+                subscriber: ident_bytes("subscriber", subscriber.as_str())?,
+                message_id: ident_bytes("message ID", message_id.as_str())?,
+            },
+        };
+        Ok(Self {
+            id,
+            request: c.request.map(str::to_owned),
+            retention: interval_micros(c.retention),
+        })
+    }
+}
+
+/// JSON text bound to a CLOB column as LONG data (Oracle's data interface for LOBs:
+/// any length in INSERT and UPDATE, no temporary LOB). `None` binds NULL.
+fn clob(text: &Option<String>) -> (&Option<String>, &'static OracleType) {
+    (text, &OracleType::Long)
+}
+
+fn first_row(
+    conn: &Connection,
+    sql: &str,
+    params: &[&dyn oracle::sql_type::ToSql],
+) -> oracle::Result<Option<oracle::Row>> {
+    conn.query(sql, params)?.next().transpose()
+}
+
+fn request_row(row: &oracle::Row) -> Result<Stored, DbError> {
+    let status: i64 = row.get(2).map_err(db_error)?;
+    Ok(Stored {
+        request: row.get(0).map_err(db_error)?,
+        response: row.get(1).map_err(db_error)?,
+        status: Status::from_code(status)?,
+    })
+}
+
+fn message_row(row: &oracle::Row) -> Result<Stored, DbError> {
+    Ok(Stored {
+        request: row.get(0).map_err(db_error)?,
+        response: None,
+        status: Status::Succeeded,
+    })
+}
+
+/// The fast path's read: a live record, or nothing.
+fn lookup_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, DbError> {
+    match &claim.id {
+        IdOwned::Request {
+            principal,
+            operation,
+            key,
+        } => first_row(
+            conn,
+            sql::LOOKUP_REQUEST,
+            &[principal, operation, key, &claim.retention],
+        )
+        .map_err(db_error)?
+        .as_ref()
+        .map(request_row)
+        .transpose(),
+        IdOwned::Message {
+            subscriber,
+            message_id,
+        } => first_row(
+            conn,
+            sql::LOOKUP_MESSAGE,
+            &[subscriber, message_id, &claim.retention],
+        )
+        .map_err(db_error)?
+        .as_ref()
+        .map(message_row)
+        .transpose(),
+    }
+}
+
+/// What the re-read after ORA-00001 found.
+enum Existing {
+    /// Nothing: the record was purged between the INSERT and the SELECT.
+    Vanished,
+    /// A live, committed record.
+    Live(Stored),
+    /// A record older than the retention: the claim may take it over.
+    Expired,
+}
+
+fn is_unique_violation(e: &oracle::Error) -> bool {
+    error_codes::ora_code(e) == Some(error_codes::UNIQUE_VIOLATED)
+}
+
+/// Inserts the placeholder; `false` on ORA-00001 (after waiting for the other session).
+fn insert_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<bool, DbError> {
+    let inserted = match &claim.id {
+        IdOwned::Request {
+            principal,
+            operation,
+            key,
+        } => conn.execute(
+            sql::INSERT_REQUEST,
+            &[principal, operation, key, &clob(&claim.request)],
+        ),
+        IdOwned::Message {
+            subscriber,
+            message_id,
+        } => conn.execute(
+            sql::INSERT_MESSAGE,
+            &[subscriber, message_id, &clob(&claim.request)],
+        ),
+    };
+    match inserted {
+        Ok(_) => Ok(true),
+        Err(e) if is_unique_violation(&e) => Ok(false),
+        Err(e) => Err(db_error(e)),
+    }
+}
+
+type RowReader = fn(&oracle::Row) -> Result<Stored, DbError>;
+
+fn reread_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Existing, DbError> {
+    let (row, read): (_, RowReader) = match &claim.id {
+        IdOwned::Request {
+            principal,
+            operation,
+            key,
+        } => (
+            first_row(
+                conn,
+                sql::SELECT_REQUEST,
+                &[&claim.retention, principal, operation, key],
+            ),
+            request_row,
+        ),
+        IdOwned::Message {
+            subscriber,
+            message_id,
+        } => (
+            first_row(
+                conn,
+                sql::SELECT_MESSAGE,
+                &[&claim.retention, subscriber, message_id],
+            ),
+            message_row,
+        ),
+    };
+    let Some(row) = row.map_err(db_error)? else {
+        return Ok(Existing::Vanished);
+    };
+    let expired_column = match claim.id {
+        IdOwned::Request { .. } => 3,
+        IdOwned::Message { .. } => 1,
+    };
+    let expired: i64 = row.get(expired_column).map_err(db_error)?;
+    if expired == 1 {
+        Ok(Existing::Expired)
+    } else {
+        read(&row).map(Existing::Live)
+    }
+}
+
+/// Takes over an expired record; `false` if another session changed it first.
+fn replace_expired_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<bool, DbError> {
+    let statement = match &claim.id {
+        IdOwned::Request {
+            principal,
+            operation,
+            key,
+        } => conn.execute(
+            sql::REPLACE_EXPIRED_REQUEST,
+            &[
+                &clob(&claim.request),
+                principal,
+                operation,
+                key,
+                &claim.retention,
+            ],
+        ),
+        IdOwned::Message {
+            subscriber,
+            message_id,
+        } => conn.execute(
+            sql::REPLACE_EXPIRED_MESSAGE,
+            &[
+                &clob(&claim.request),
+                subscriber,
+                message_id,
+                &claim.retention,
+            ],
+        ),
+    };
+    let rows = statement.and_then(|s| s.row_count()).map_err(db_error)?;
+    Ok(rows == 1)
+}
+
+/// The claim, on the blocking pool. `Ok(None)`: won, the transaction stays open.
+/// `Ok(Some(_))`: a live record exists, the transaction is rolled back.
+fn claim_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, DbError> {
+    for _ in 0..CLAIM_ROUNDS {
+        if insert_blocking(conn, claim)? {
+            return Ok(None);
+        }
+        match reread_blocking(conn, claim)? {
+            Existing::Live(stored) => {
+                conn.rollback().map_err(db_error)?;
+                return Ok(Some(stored));
+            }
+            Existing::Expired => {
+                if replace_expired_blocking(conn, claim)? {
+                    return Ok(None);
+                }
+            }
+            Existing::Vanished => {}
+        }
+        // The conflicting record vanished or was taken over between statements.
+    }
+    Err(DbError::new(
+        ENGINE,
+        ErrorKind::Transient,
+        "the conflicting record kept changing during the claim",
+    ))
+}
+
+/// Stores the response (requests) and commits.
+fn complete_blocking(
+    conn: &Connection,
+    claim: &ClaimOwned,
+    response: &Option<String>,
+    status: Status,
+) -> Result<(), DbError> {
+    if let IdOwned::Request {
+        principal,
+        operation,
+        key,
+    } = &claim.id
+    {
+        let code = i64::from(status.code());
+        let rows = conn
+            .execute(
+                sql::COMPLETE_REQUEST,
+                &[&clob(response), &code, principal, operation, key],
+            )
+            .and_then(|s| s.row_count())
+            .map_err(db_error)?;
+        if rows != 1 {
+            // The claim's own row is locked by this transaction; if it is not there,
+            // start over in a fresh transaction (the effect is rolled back too).
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::Transient,
+                format!("completing the claimed record updated {rows} rows"),
+            ));
+        }
+    }
+    conn.commit().map_err(db_error)
+}
+
+/// Rolls back after a failure, keeping the failure (a failed rollback leaves the
+/// transaction open, and the lease then closes the connection).
+fn rollback_after(conn: &Connection, e: DbError) -> DbError {
+    let _ = conn.rollback();
+    e
+}
+
+impl Backend for OracleBackend {
+    type Tx = OracleTx;
+
+    async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
+        let claim = ClaimOwned::new(claim)?;
+        let mut lease = self.lease().await?;
+        lease.run(move |c| lookup_blocking(c, &claim)).await
+    }
+
+    async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<OracleTx>, DbError> {
+        let claim = ClaimOwned::new(claim)?;
+        let mut lease = self.lease().await?;
+        let found = lease
+            .run(move |c| claim_blocking(c, &claim).map_err(|e| rollback_after(c, e)))
+            .await?;
+        Ok(match found {
+            Some(stored) => Claimed::Found(stored),
+            None => Claimed::Won(OracleTx { lease }),
+        })
+    }
+
+    async fn finish(
+        &self,
+        mut tx: OracleTx,
+        claim: &Claim<'_>,
+        end: Finish<'_>,
+    ) -> Result<(), DbError> {
+        let claim = ClaimOwned::new(claim)?;
+        let end = match end {
+            Finish::Commit { response, status } => Some((response.map(str::to_owned), status)),
+            Finish::Rollback => None,
+        };
+        tx.lease
+            .run(move |c| match end {
+                None => c.rollback().map_err(db_error),
+                Some((response, status)) => complete_blocking(c, &claim, &response, status)
+                    .map_err(|e| rollback_after(c, e)),
+            })
+            .await
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        error
+            .downcast_ref::<oracle::Error>()
+            .map(error_codes::classify)
+    }
+}
+
+/// Runs one migration statement, tolerating "already exists" (see [`ALREADY_EXISTS`]).
+fn execute_ddl(conn: &Connection, statement: &str) -> Result<(), DbError> {
+    match conn.execute(statement, &[]) {
+        Ok(_) => Ok(()),
+        Err(e) if error_codes::ora_code(&e).is_some_and(|c| ALREADY_EXISTS.contains(&c)) => Ok(()),
+        Err(e) => Err(db_error(e)),
+    }
+}
+
+fn check_charset(conn: &Connection) -> Result<(), DbError> {
+    let charset: Option<String> = first_row(conn, sql::DATABASE_CHARSET, &[])
+        .and_then(|row| row.map(|r| r.get(0)).transpose())
+        .map_err(db_error)?;
+    match charset {
+        Some(cs) if !UNICODE_CHARSETS.contains(&cs.as_str()) => Err(DbError::new(
+            ENGINE,
+            ErrorKind::Configuration,
+            format!(
+                "the database character set is {cs}: idem stores JSON as CLOB text, which \
+                 needs a Unicode character set (AL32UTF8) to replay every response exactly"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+fn migrate_blocking(conn: &Connection) -> Result<Vec<u32>, DbError> {
+    check_charset(conn)?;
+    execute_ddl(conn, sql::CREATE_MIGRATIONS)?;
+    let done: Vec<u32> = conn
+        .query_as::<u32>(sql::SELECT_MIGRATIONS, &[])
+        .and_then(|rows| rows.collect::<oracle::Result<Vec<u32>>>())
+        .map_err(db_error)?;
+    let mut applied = Vec::new();
+    for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
+        for statement in m.statements() {
+            execute_ddl(conn, &statement)?;
+        }
+        let name = m.name.to_owned();
+        match conn.execute(
+            sql::INSERT_MIGRATION,
+            &[&m.version, &(&name, &OracleType::Varchar2(255))],
+        ) {
+            Ok(_) => {
+                conn.commit().map_err(db_error)?;
+                applied.push(m.version);
+            }
+            // A concurrent migrator applied and recorded it first.
+            Err(e) if is_unique_violation(&e) => conn.rollback().map_err(db_error)?,
+            Err(e) => return Err(db_error(e)),
+        }
+    }
+    Ok(applied)
+}
+
+impl Maintenance for OracleBackend {
+    /// Applies pending migrations, one statement per call. Oracle DDL commits on its
+    /// own, so instead of one transaction each statement tolerates "already exists"
+    /// (ORA-00955, ORA-01408) and the version row tolerates ORA-00001: concurrent or
+    /// interrupted runs converge. Refuses a non-Unicode database character set.
+    async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        let mut lease = self.lease().await?;
+        lease
+            .run(|c| migrate_blocking(c).map_err(|e| rollback_after(c, e)))
+            .await
+    }
+
+    async fn purge_batch(
+        &self,
+        table: Table,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, DbError> {
+        let statement = match table {
+            Table::Requests => sql::PURGE_REQUESTS,
+            Table::Messages => sql::PURGE_MESSAGES,
+        };
+        let older = interval_micros(older_than);
+        let mut lease = self.lease().await?;
+        lease
+            .run(move |c| {
+                let purged = c
+                    .execute(statement, &[&older, &limit])
+                    .and_then(|s| s.row_count())
+                    .and_then(|n| c.commit().map(|()| n));
+                purged.map_err(|e| rollback_after(c, db_error(e)))
+            })
+            .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn intervals_are_clamped_to_the_date_range() {
+        assert_eq!(interval_micros(Duration::from_millis(400)), 400_000);
+        assert_eq!(
+            interval_micros(Duration::from_secs(24 * 3600)),
+            86_400_000_000
+        );
+        assert_eq!(interval_micros(Duration::MAX), MAX_INTERVAL_MICROS);
+        assert_eq!(
+            interval_micros(Duration::from_secs(2000 * 31_557_600)),
+            MAX_INTERVAL_MICROS
+        );
+    }
+
+    #[test]
+    fn empty_identifiers_are_refused_before_binding() {
+        let e = ident_bytes("idempotency key", "").err();
+        assert!(
+            e.is_some_and(|e| e.message().contains("empty idempotency key")),
+            "an empty key must never reach Oracle, where it would be NULL"
+        );
+        assert_eq!(
+            ident_bytes("idempotency key", "k ").ok(),
+            Some(b"k ".to_vec())
+        );
+    }
+
+    #[test]
+    fn migration_splits_into_single_statements() {
+        let statements = MIGRATIONS[0].statements();
+        assert_eq!(statements.len(), 4, "{statements:#?}");
+        for s in &statements {
+            assert!(!s.trim_end().ends_with(';'), "{s}");
+            assert!(
+                s.starts_with("CREATE TABLE") || s.starts_with("CREATE INDEX"),
+                "{s}"
+            );
+        }
+        let tables = statements.join("\n");
+        for column in [
+            "principal",
+            "operation",
+            "request_key",
+            "subscriber",
+            "message_id",
+        ] {
+            let line = tables
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(column))
+                .unwrap_or_else(|| panic!("no column {column}"));
+            assert!(line.contains("RAW(255) NOT NULL"), "{line}");
+        }
+        assert!(!tables.contains("VARCHAR2"), "no character key columns");
+        assert!(tables.contains("DEFAULT SYS_EXTRACT_UTC(SYSTIMESTAMP)"));
+    }
+
+    /// No Oracle Client library on this machine: `connect` fails at once, classified,
+    /// with the install hint. On a machine with a client, nothing listens on port 1, so
+    /// it fails with a classified connection error instead. Neither pretends that a
+    /// server answered.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn connect_without_a_server_fails_fast_and_classified() {
+        let start = std::time::Instant::now();
+        let out = tokio::time::timeout(
+            Duration::from_secs(60),
+            OracleBackend::connect("oracle://u:s3cret-pw@127.0.0.1:1/FREEPDB1"),
+        )
+        .await;
+        let err = match out {
+            Ok(Err(e)) => e,
+            Ok(Ok(b)) => panic!("a server answered on 127.0.0.1:1: {b:?}"),
+            Err(_) => panic!("connect did not fail within 60 s"),
+        };
+        let text = err.to_string();
+        assert!(!text.contains("s3cret-pw"), "the password leaked: {text}");
+        assert_eq!(err.engine(), "oracle");
+        match err.kind() {
+            ErrorKind::ClientLibraryMissing => {
+                assert_eq!(err.code(), Some("DPI-1047"), "{text}");
+                assert!(
+                    text.contains("Instant Client Basic or Basic Light"),
+                    "{text}"
+                );
+                assert!(
+                    text.contains("LD_LIBRARY_PATH") && text.contains("ldconfig"),
+                    "{text}"
+                );
+                assert!(
+                    start.elapsed() < Duration::from_secs(5),
+                    "took {:?}",
+                    start.elapsed()
+                );
+                let source = StdError::source(&err)
+                    .and_then(|s| s.downcast_ref::<oracle::Error>())
+                    .map(error_codes::classify);
+                assert_eq!(source, Some(ErrorKind::ClientLibraryMissing));
+                eprintln!("no Oracle Client here, as expected: {text}");
+            }
+            ErrorKind::Connection => {
+                assert!(err.code().is_some_and(|c| c.starts_with("ORA-")), "{text}");
+                assert!(text.contains("127.0.0.1:1/FREEPDB1"), "{text}");
+                eprintln!("an Oracle Client exists here; no listener, as expected: {text}");
+            }
+            other => panic!("expected ClientLibraryMissing or Connection, got {other}: {text}"),
+        }
+    }
+
+    /// `Backend::classify` finds a driver error inside an effect's error chain.
+    #[test]
+    #[allow(deprecated)]
+    fn classify_downcasts_driver_errors() {
+        #[derive(Debug)]
+        struct Wrapper(oracle::Error);
+        impl fmt::Display for Wrapper {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "effect failed")
+            }
+        }
+        impl StdError for Wrapper {
+            fn source(&self) -> Option<&(dyn StdError + 'static)> {
+                Some(&self.0)
+            }
+        }
+        let deadlock = oracle::Error::OciError(oracle::DbError::new(
+            60,
+            0,
+            "ORA-00060: deadlock detected while waiting for resource",
+            "dpiStmt_execute",
+            "execute",
+        ));
+        // No connection is opened: classification needs none.
+        let backend = OracleBackend::unconnected(ConnectOptions::new("u", "p", "h:1/svc"));
+        let wrapped = Wrapper(deadlock);
+        let err: &(dyn StdError + 'static) = &wrapped;
+        let kinds: Vec<Option<ErrorKind>> = std::iter::successors(Some(err), |e| (*e).source())
+            .map(|e| backend.classify(e))
+            .collect();
+        assert_eq!(kinds, vec![None, Some(ErrorKind::Deadlock)]);
+        let serialization = oracle::Error::OciError(oracle::DbError::new(
+            8177,
+            0,
+            "ORA-08177: can't serialize access for this transaction",
+            "dpiStmt_execute",
+            "execute",
+        ));
+        assert_eq!(
+            backend.classify(&serialization),
+            Some(ErrorKind::SerializationFailure)
+        );
+        let not_oracle = std::io::Error::other("x");
+        assert_eq!(backend.classify(&not_oracle), None);
+    }
+}

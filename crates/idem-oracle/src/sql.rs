@@ -1,0 +1,239 @@
+//! Every statement the Oracle backend sends.
+//!
+//! - No trailing `;`: OCI takes one statement per call, and a `;` is a syntax error.
+//! - Placeholders are positional, numbered `:1 … :n` in the order they appear, each
+//!   used once: in SQL (not PL/SQL) OCI binds by position of occurrence, so a repeated
+//!   placeholder would need a second bind anyway.
+//! - Scope and key columns are `RAW` and bound as bytes: comparisons are binary whatever
+//!   the session's `NLS_COMP` / `NLS_SORT` (those apply to character types only).
+//! - Ages come from the database clock: `SYS_EXTRACT_UTC(SYSTIMESTAMP)` is the
+//!   server's time in UTC (no session time zone or DST involved); intervals are bound
+//!   as whole microseconds and turned into `INTERVAL DAY TO SECOND` with
+//!   `NUMTODSINTERVAL`.
+
+/// The database clock, in UTC.
+macro_rules! now {
+    () => {
+        "SYS_EXTRACT_UTC(SYSTIMESTAMP)"
+    };
+}
+/// `now - :n microseconds`.
+macro_rules! cutoff {
+    ($n:literal) => {
+        concat!(now!(), " - NUMTODSINTERVAL(:", $n, " / 1000000, 'SECOND')")
+    };
+}
+macro_rules! request_pk {
+    ($a:literal, $b:literal, $c:literal) => {
+        concat!(
+            "principal = :",
+            $a,
+            " AND operation = :",
+            $b,
+            " AND request_key = :",
+            $c
+        )
+    };
+}
+macro_rules! message_pk {
+    ($a:literal, $b:literal) => {
+        concat!("subscriber = :", $a, " AND message_id = :", $b)
+    };
+}
+
+/// The claim: a plain INSERT of the placeholder. A conflicting uncommitted row makes
+/// it wait for that transaction; ORA-00001 once it commits, success if it rolls back.
+pub(crate) const INSERT_REQUEST: &str = concat!(
+    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) ",
+    "VALUES (:1, :2, :3, :4, NULL, 0, ",
+    now!(),
+    ")"
+);
+/// The re-read after ORA-00001: under READ COMMITTED each statement reads the data
+/// committed before it started, so it sees the row whose commit raised ORA-00001.
+pub(crate) const SELECT_REQUEST: &str = concat!(
+    "SELECT request, response, status, CASE WHEN created_at < ",
+    cutoff!(1),
+    " THEN 1 ELSE 0 END AS expired FROM idem_request_result WHERE ",
+    request_pk!(2, 3, 4)
+);
+/// Takes over an expired record. The age test is repeated: if another session changed
+/// the row meanwhile, Oracle restarts the UPDATE on the new version and it matches
+/// nothing.
+pub(crate) const REPLACE_EXPIRED_REQUEST: &str = concat!(
+    "UPDATE idem_request_result SET request = :1, response = NULL, status = 0, created_at = ",
+    now!(),
+    " WHERE ",
+    request_pk!(2, 3, 4),
+    " AND created_at < ",
+    cutoff!(5)
+);
+/// Stores the response just before COMMIT.
+pub(crate) const COMPLETE_REQUEST: &str = concat!(
+    "UPDATE idem_request_result SET response = :1, status = :2 WHERE ",
+    request_pk!(3, 4, 5)
+);
+/// The read-only replay fast path: live records only.
+pub(crate) const LOOKUP_REQUEST: &str = concat!(
+    "SELECT request, response, status FROM idem_request_result WHERE ",
+    request_pk!(1, 2, 3),
+    " AND created_at >= ",
+    cutoff!(4)
+);
+
+pub(crate) const INSERT_MESSAGE: &str = concat!(
+    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at) ",
+    "VALUES (:1, :2, :3, ",
+    now!(),
+    ")"
+);
+pub(crate) const SELECT_MESSAGE: &str = concat!(
+    "SELECT fingerprint, CASE WHEN processed_at < ",
+    cutoff!(1),
+    " THEN 1 ELSE 0 END AS expired FROM idem_processed_message WHERE ",
+    message_pk!(2, 3)
+);
+pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = concat!(
+    "UPDATE idem_processed_message SET fingerprint = :1, processed_at = ",
+    now!(),
+    " WHERE ",
+    message_pk!(2, 3),
+    " AND processed_at < ",
+    cutoff!(4)
+);
+pub(crate) const LOOKUP_MESSAGE: &str = concat!(
+    "SELECT fingerprint FROM idem_processed_message WHERE ",
+    message_pk!(1, 2),
+    " AND processed_at >= ",
+    cutoff!(3)
+);
+
+/// One bounded purge batch: `ROWNUM` stops the DELETE after `:2` rows. The age test is
+/// on the DELETE itself, so a row another session is replacing (locked) is re-checked
+/// after that session commits and kept if it is live again.
+pub(crate) const PURGE_REQUESTS: &str = concat!(
+    "DELETE FROM idem_request_result WHERE created_at < ",
+    cutoff!(1),
+    " AND ROWNUM <= :2"
+);
+pub(crate) const PURGE_MESSAGES: &str = concat!(
+    "DELETE FROM idem_processed_message WHERE processed_at < ",
+    cutoff!(1),
+    " AND ROWNUM <= :2"
+);
+
+/// Oracle has no `CREATE TABLE IF NOT EXISTS` before 23ai: ORA-00955 is tolerated.
+pub(crate) const CREATE_MIGRATIONS: &str = concat!(
+    "CREATE TABLE idem_schema_migrations (",
+    "version NUMBER(10) NOT NULL, name VARCHAR2(255) NOT NULL, ",
+    "applied_at TIMESTAMP(6) DEFAULT ",
+    now!(),
+    " NOT NULL, ",
+    "CONSTRAINT idem_schema_migrations_pk PRIMARY KEY (version))"
+);
+pub(crate) const SELECT_MIGRATIONS: &str = "SELECT version FROM idem_schema_migrations";
+/// ORA-00001 here means a concurrent migrator recorded the version first.
+pub(crate) const INSERT_MIGRATION: &str =
+    "INSERT INTO idem_schema_migrations (version, name) VALUES (:1, :2)";
+/// The stored JSON is CLOB text: the database character set must be Unicode.
+/// `NLS_CHARSET_ID('CHAR_CS')` is the database character set; no privilege is needed.
+pub(crate) const DATABASE_CHARSET: &str =
+    "SELECT NLS_CHARSET_NAME(NLS_CHARSET_ID('CHAR_CS')) FROM dual";
+
+#[cfg(test)]
+pub(crate) const ALL: &[(&str, &str)] = &[
+    ("insert_request", INSERT_REQUEST),
+    ("select_request", SELECT_REQUEST),
+    ("replace_expired_request", REPLACE_EXPIRED_REQUEST),
+    ("complete_request", COMPLETE_REQUEST),
+    ("lookup_request", LOOKUP_REQUEST),
+    ("insert_message", INSERT_MESSAGE),
+    ("select_message", SELECT_MESSAGE),
+    ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
+    ("lookup_message", LOOKUP_MESSAGE),
+    ("purge_requests", PURGE_REQUESTS),
+    ("purge_messages", PURGE_MESSAGES),
+    ("create_migrations", CREATE_MIGRATIONS),
+    ("select_migrations", SELECT_MIGRATIONS),
+    ("insert_migration", INSERT_MIGRATION),
+    ("database_charset", DATABASE_CHARSET),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::ALL;
+
+    /// The placeholders of a statement, in order of appearance (`:1` → 1).
+    fn placeholders(sql: &str) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut in_quote = false;
+        let bytes = sql.as_bytes();
+        let mut i = 0;
+        while i < bytes.len() {
+            match bytes[i] {
+                b'\'' => in_quote = !in_quote,
+                b':' if !in_quote => {
+                    let digits: String = sql[i + 1..]
+                        .chars()
+                        .take_while(char::is_ascii_digit)
+                        .collect();
+                    assert!(
+                        !digits.is_empty(),
+                        "only numbered placeholders are used: {sql}"
+                    );
+                    i += digits.len();
+                    out.push(digits.parse().unwrap_or(0));
+                }
+                _ => {}
+            }
+            i += 1;
+        }
+        out
+    }
+
+    #[test]
+    fn statements_snapshot() {
+        let text: String = ALL
+            .iter()
+            .map(|(name, sql)| format!("-- {name}\n{sql}\n\n"))
+            .collect();
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn placeholders_are_numbered_in_order_and_used_once() {
+        for (name, sql) in ALL {
+            let found = placeholders(sql);
+            let want: Vec<u32> = (1..=u32::try_from(found.len()).unwrap_or(0)).collect();
+            assert_eq!(found, want, "{name}: {sql}");
+        }
+    }
+
+    #[test]
+    fn no_statement_ends_with_a_semicolon_or_uses_postgres_syntax() {
+        for (name, sql) in ALL {
+            assert!(!sql.trim_end().ends_with(';'), "{name}");
+            for foreign in ["$1", "?", "ON CONFLICT", "LIMIT ", "IF NOT EXISTS", "::"] {
+                assert!(!sql.contains(foreign), "{name} contains {foreign:?}");
+            }
+            assert_eq!(
+                sql.matches('(').count(),
+                sql.matches(')').count(),
+                "{name}: unbalanced parentheses"
+            );
+        }
+    }
+
+    #[test]
+    fn every_age_comes_from_the_database_clock() {
+        for (name, sql) in ALL {
+            if sql.contains("created_at") || sql.contains("processed_at") {
+                assert!(
+                    sql.contains("SYS_EXTRACT_UTC(SYSTIMESTAMP)") || *name == "complete_request",
+                    "{name}"
+                );
+                assert!(!sql.contains("SYSDATE") && !sql.contains("CURRENT_TIMESTAMP"));
+            }
+        }
+    }
+}
