@@ -206,7 +206,11 @@ impl Bank for MysqlBank {
         }
     }
 
-    fn debit(tx: &mut MysqlTx, account: i64, amount: i64) -> BoxFuture<'_, Result<Balance, BankError>> {
+    fn debit(
+        tx: &mut MysqlTx,
+        account: i64,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<Balance, BankError>> {
         effect(tx, account, amount, true)
     }
 

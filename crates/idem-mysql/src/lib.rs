@@ -1,1 +1,714 @@
-//! MySQL and MariaDB backend for idem (work in progress).
+//! MySQL and MariaDB backend for idem, on [mysql_async](https://docs.rs/mysql_async)
+//! (InnoDB; written for MySQL 8.4 and MariaDB 10.11, tested live on MariaDB 10.11).
+//!
+//! # The claim: a plain `INSERT`, classified by error 1062
+//!
+//! Inside the effect's transaction, the claim inserts a placeholder record (response
+//! `NULL`) with a plain `INSERT`:
+//!
+//! - it succeeds: this transaction owns the identity; the effect runs and the
+//!   placeholder is completed with the response just before `COMMIT`, so no other
+//!   session ever sees it unfinished;
+//! - another transaction holds an uncommitted row with the same primary key: InnoDB makes
+//!   the `INSERT` wait for it. If it rolls back, the `INSERT` succeeds (takeover); if it
+//!   commits, the `INSERT` fails with **1062** (`ER_DUP_ENTRY`), which rolls back only
+//!   that statement, not the transaction;
+//! - after 1062 the record is re-read with a **locking read** (`LOCK IN SHARE MODE`,
+//!   valid on MariaDB 10.11 and MySQL 8.4). Under the default REPEATABLE READ a plain
+//!   `SELECT` is a consistent read that may return an older snapshot; a locking read
+//!   returns the latest committed version. It is a *shared* lock because the failed
+//!   `INSERT` already holds one on that row: several losers asking for an exclusive lock
+//!   (`FOR UPDATE`) at once would deadlock each other.
+//! - a record older than the operation's retention (by `UTC_TIMESTAMP(6)`, the database
+//!   clock) is taken over in place by an `UPDATE … WHERE created_at < cutoff` and never
+//!   returned.
+//!
+//! Why not `INSERT IGNORE`: it turns *every* error it can (truncation, `NULL` into
+//! `NOT NULL`, foreign keys, `CHECK`) into a warning and zero affected rows, so "0 rows"
+//! would not prove "duplicate" without a strict check that no other warning occurred.
+//! Error 1062 says exactly "this primary key is taken" and is the same number on both
+//! servers and in every `lc_messages` language. No `RETURNING` (MariaDB only) and no
+//! `ON DUPLICATE KEY UPDATE` (it would write to the winner's row) are used.
+//!
+//! # Deadlocks and lock waits are retried
+//!
+//! InnoDB's duplicate-key check takes shared locks, and so does a foreign-key check on
+//! the parent row: two transactions that both hold a shared lock and then want to
+//! update the row deadlock. The victim gets **1213** (`ER_LOCK_DEADLOCK`, its whole
+//! transaction rolled back); a wait longer than `innodb_lock_wait_timeout` gets
+//! **1205**. Both are classified by number ([`error_codes`]) as
+//! [`ErrorKind::Deadlock`] / [`ErrorKind::LockTimeout`], from idem's own statements and
+//! from a `mysql_async::Error` found in an effect's error chain, and idem retries the
+//! whole transaction with the same key (bounded, jittered). When the winner of a key rolls
+//! back, its waiting losers can deadlock among themselves in the same way (the InnoDB
+//! manual's three-`INSERT` example); the retry resolves that too.
+//!
+//! # Columns
+//!
+//! Scope and key columns are `VARBINARY(255)`, compared byte for byte (`k`, `K` and `k `
+//! are three keys; `utf8mb4_bin` would pad spaces, and MariaDB has no
+//! `utf8mb4_0900_bin`). Requests and responses are `LONGTEXT` (`utf8mb4_bin`), stored
+//! verbatim and compared as JSON values in Rust (MySQL's binary `JSON` reorders keys).
+//! Times are `DATETIME(6)` in UTC; retention arithmetic is done in SQL in microseconds.
+//!
+//! # Connections, migrations, purge
+//!
+//! [`MysqlBackend::connect`] opens a `mysql_async::Pool` of up to
+//! [`DEFAULT_MAX_CONNECTIONS`] connections unless the URL sets `pool_min`/`pool_max`;
+//! each idem call holds one connection for its transaction. Transactions keep the
+//! session's isolation level (InnoDB's default REPEATABLE READ); the claim is equally
+//! correct under READ COMMITTED, since its re-read is a locking read. `migrate` takes a
+//! named lock per database (`GET_LOCK`), so concurrent migrators apply each version
+//! once; DDL commits implicitly in MySQL, so every statement is `IF NOT EXISTS` and the
+//! version is recorded after its statements. `purge_batch` is one
+//! `DELETE … ORDER BY created_at LIMIT n`.
+//!
+//! # Effects
+//!
+//! Effects receive a [`MysqlTx`], which dereferences to the open
+//! [`mysql_async::Transaction`]; run SQL on it with
+//! [`mysql_async::prelude::Queryable`]: `tx.exec_drop("UPDATE …", (amount, id)).await`.
+//! Return driver errors (or errors whose `source()` chain holds them) instead of
+//! swallowing them: after a 1213 the server has already rolled the whole transaction
+//! back, record included, and what the effect runs afterwards is no longer in it
+//! (MariaDB 10.11 autocommits it, as `tests/live.rs` observes; MySQL's manual describes
+//! a new implicit transaction). Do not run `COMMIT`, `ROLLBACK` or DDL (an implicit
+//! commit) in an effect either. Before committing, idem checks that its transaction is
+//! still the open one (the request placeholder is still there and unfinished, the
+//! message claim's savepoint `idem_claimed` still exists, and the server reports
+//! `SERVER_STATUS_IN_TRANS`); if not, it rolls back what is left, stores nothing and
+//! returns an [`ErrorKind::Other`] error instead of a success. It cannot undo statements
+//! that already autocommitted.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::{Idem, Key, Operation, Principal, Request, Scope};
+//! use idem_mysql::MysqlBackend;
+//! use idem_mysql::mysql_async::prelude::Queryable;
+//!
+//! let idem = Idem::new(MysqlBackend::connect("mariadb://app:secret@db:3306/shop").await?);
+//! idem.migrate().await?;
+//! let scope = Scope::new(Principal::new("user-7")?, Operation::new("debit", 1)?);
+//! let request = Request::new(serde_json::json!({"amount": 100}));
+//! let outcome = idem
+//!     .execute(&scope, &Key::new("checkout-42")?, &request, |tx| {
+//!         Box::pin(async move {
+//!             tx.exec_drop(
+//!                 "UPDATE account SET balance = balance - ? WHERE id = ? AND balance >= ?",
+//!                 (100, 1, 100),
+//!             )
+//!             .await?;
+//!             Ok::<_, idem_mysql::mysql_async::Error>(serde_json::json!({"ok": true}))
+//!         })
+//!     })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+
+pub mod error_codes;
+mod sql;
+
+use std::error::Error as StdError;
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use idem_core::{
+    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
+    Stored, Table,
+};
+pub use mysql_async;
+use mysql_async::consts::StatusFlags;
+use mysql_async::prelude::{FromValue, Queryable};
+use mysql_async::{
+    DEFAULT_POOL_CONSTRAINTS, Opts, OptsBuilder, Pool, PoolConstraints, Row, Transaction, TxOpts,
+    Value,
+};
+
+pub use error_codes::db_error;
+
+/// The migrations embedded from `migrations/mysql/`.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "0001_idempotency_records.sql",
+    sql: include_str!("../../../migrations/mysql/0001_idempotency_records.sql"),
+}];
+
+/// The pool's size when the URL sets neither `pool_min` nor `pool_max`: room for 32
+/// concurrent transactions plus replay reads, and several pools under MariaDB's default
+/// `max_connections` (151).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 40;
+
+/// How long `migrate` waits for another migrator of the same database, in seconds.
+const MIGRATION_LOCK_TIMEOUT_SECS: u32 = 60;
+
+/// How often a claim re-tries inside one transaction when the conflicting record
+/// vanished (purged) or was replaced under it.
+const CLAIM_ROUNDS: usize = 3;
+
+/// Retention windows are capped at 500 years, so that `UTC_TIMESTAMP(6) - INTERVAL`
+/// stays inside `DATETIME`'s range (a longer window would compute `NULL`).
+const MAX_WINDOW: Duration = Duration::from_secs(500 * 365 * 24 * 60 * 60);
+
+const ENGINE: &str = "mysql";
+
+/// The open transaction handed to effects: the idem record and the effect's SQL commit
+/// or roll back together.
+///
+/// It dereferences to [`mysql_async::Transaction`], so every
+/// [`Queryable`] method works on it directly
+/// (`tx.exec_drop(…)`, `tx.exec_first(…)`). Never commit or roll it back yourself, and
+/// return driver errors instead of swallowing them (see the crate documentation).
+#[derive(Debug)]
+pub struct MysqlTx {
+    tx: Transaction<'static>,
+}
+
+impl MysqlTx {
+    /// The transaction, for code that wants it by name.
+    pub fn transaction(&mut self) -> &mut Transaction<'static> {
+        &mut self.tx
+    }
+}
+
+impl Deref for MysqlTx {
+    type Target = Transaction<'static>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl DerefMut for MysqlTx {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
+    }
+}
+
+/// An idem backend on a MySQL or MariaDB connection pool.
+#[derive(Debug, Clone)]
+pub struct MysqlBackend {
+    pool: Pool,
+}
+
+fn config(message: impl Into<String>) -> DbError {
+    DbError::new(ENGINE, ErrorKind::Configuration, message)
+}
+
+fn corrupt(message: impl Into<String>) -> DbError {
+    DbError::new(ENGINE, ErrorKind::CorruptRecord, message)
+}
+
+fn has_query_param(rest: &str, name: &str) -> bool {
+    rest.split_once('?').is_some_and(|(_, query)| {
+        query
+            .split('&')
+            .any(|pair| pair.split('=').next() == Some(name))
+    })
+}
+
+/// Parses a `mysql://` or `mariadb://` URL (`mariadb://` is rewritten to `mysql://` for
+/// the driver; schemes are case-insensitive). Without `pool_min`/`pool_max` in the URL,
+/// the pool holds up to [`DEFAULT_MAX_CONNECTIONS`] connections. Other query parameters
+/// are the driver's (`?reset_connection=false`, `?stmt_cache_size=64`, …).
+pub fn parse_url(url: &str) -> Result<Opts, DbError> {
+    let url = url.trim();
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return Err(config(
+            "a MySQL URL looks like mysql://user:password@host:3306/database (or mariadb://…)",
+        ));
+    };
+    if !scheme.eq_ignore_ascii_case("mysql") && !scheme.eq_ignore_ascii_case("mariadb") {
+        return Err(config(format!(
+            "unsupported scheme {scheme:?}: expected mysql:// or mariadb://"
+        )));
+    }
+    let opts = Opts::from_url(&format!("mysql://{rest}"))
+        .map_err(|e| config(format!("invalid MySQL URL: {e}")).with_source(e))?;
+    if has_query_param(rest, "pool_min") || has_query_param(rest, "pool_max") {
+        return Ok(opts);
+    }
+    let min = DEFAULT_POOL_CONSTRAINTS.min().min(DEFAULT_MAX_CONNECTIONS);
+    let Some(constraints) = PoolConstraints::new(min, DEFAULT_MAX_CONNECTIONS) else {
+        return Ok(opts);
+    };
+    let pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+    Ok(OptsBuilder::from_opts(opts).pool_opts(pool_opts).into())
+}
+
+impl MysqlBackend {
+    /// Connects by URL (`mysql://user:password@host:3306/database`, or `mariadb://…`)
+    /// and checks that the server answers.
+    pub async fn connect(url: &str) -> Result<Self, DbError> {
+        Self::connect_with(parse_url(url)?).await
+    }
+
+    /// Connects with explicit options (for example another database or pool size) and
+    /// checks that the server answers.
+    pub async fn connect_with(opts: impl Into<Opts>) -> Result<Self, DbError> {
+        let pool = Pool::new(opts.into());
+        match pool.get_conn().await {
+            Ok(conn) => drop(conn),
+            Err(e) => {
+                // The pool never connected; its disconnect cannot fail in a way that matters.
+                let _ = pool.disconnect().await;
+                return Err(db_error(e));
+            }
+        }
+        Ok(Self::from_pool(pool))
+    }
+
+    /// Uses an existing pool. It needs room for as many connections as concurrent
+    /// idem calls (each holds one for its transaction).
+    pub fn from_pool(pool: Pool) -> Self {
+        Self { pool }
+    }
+
+    /// The pool, for your own queries.
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// Closes the pool once every connection taken from it (by any clone) is back.
+    pub async fn disconnect(self) -> Result<(), DbError> {
+        self.pool.disconnect().await.map_err(db_error)
+    }
+}
+
+/// A retention window in microseconds, for `INTERVAL ? MICROSECOND`.
+fn window_micros(d: Duration) -> i64 {
+    i64::try_from(d.min(MAX_WINDOW).as_micros()).unwrap_or(i64::MAX)
+}
+
+/// The statements and key values of one identity.
+struct Target<'a> {
+    insert: &'static str,
+    select: &'static str,
+    replace: &'static str,
+    lookup: &'static str,
+    key: Vec<Value>,
+    request: Option<&'a str>,
+    is_request: bool,
+}
+
+impl<'a> Target<'a> {
+    fn of(claim: &Claim<'a>) -> Self {
+        match claim.id {
+            Identity::Request { scope, key } => Self {
+                insert: sql::INSERT_REQUEST,
+                select: sql::SELECT_REQUEST,
+                replace: sql::REPLACE_EXPIRED_REQUEST,
+                lookup: sql::LOOKUP_REQUEST,
+                key: vec![
+                    scope.principal.as_str().as_bytes().into(),
+                    scope.operation.as_str().as_bytes().into(),
+                    key.as_str().as_bytes().into(),
+                ],
+                request: claim.request,
+                is_request: true,
+            },
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => Self {
+                insert: sql::INSERT_MESSAGE,
+                select: sql::SELECT_MESSAGE,
+                replace: sql::REPLACE_EXPIRED_MESSAGE,
+                lookup: sql::LOOKUP_MESSAGE,
+                key: vec![
+                    subscriber.as_str().as_bytes().into(),
+                    message_id.as_str().as_bytes().into(),
+                ],
+                request: claim.request,
+                is_request: false,
+            },
+        }
+    }
+
+    /// `first`, then the key, then `last`.
+    fn params(&self, first: Option<Value>, last: Option<Value>) -> Vec<Value> {
+        first
+            .into_iter()
+            .chain(self.key.iter().cloned())
+            .chain(last)
+            .collect()
+    }
+
+    fn request_value(&self) -> Value {
+        self.request.into()
+    }
+
+    /// Reads `(request, response, status)` or `(fingerprint)`, then `expired` when
+    /// `with_expired`.
+    fn read(&self, mut row: Row, with_expired: bool) -> Result<(Stored, bool), DbError> {
+        let (stored, expired_at) = if self.is_request {
+            let request: Option<String> = take(&mut row, 0, "request")?;
+            let response: Option<String> = take(&mut row, 1, "response")?;
+            let status: i64 = take(&mut row, 2, "status")?;
+            let stored = Stored {
+                request,
+                response,
+                status: Status::from_code(status)?,
+            };
+            (stored, 3)
+        } else {
+            let fingerprint: Option<String> = take(&mut row, 0, "fingerprint")?;
+            let stored = Stored {
+                request: fingerprint,
+                response: None,
+                status: Status::Succeeded,
+            };
+            (stored, 1)
+        };
+        let expired = if with_expired {
+            let e: Option<i64> = take(&mut row, expired_at, "expired")?;
+            e.unwrap_or(0) != 0
+        } else {
+            false
+        };
+        Ok((stored, expired))
+    }
+}
+
+fn take<T: FromValue>(row: &mut Row, index: usize, what: &str) -> Result<T, DbError> {
+    match row.take_opt::<T, usize>(index) {
+        Some(Ok(v)) => Ok(v),
+        Some(Err(e)) => Err(corrupt(format!("column {what} cannot be read: {e}"))),
+        None => Err(corrupt(format!("column {what} is missing from the row"))),
+    }
+}
+
+fn is_duplicate(e: &mysql_async::Error) -> bool {
+    error_codes::server_code(e).map(error_codes::kind_of) == Some(ErrorKind::UniqueViolation)
+}
+
+/// Whether the server still reports an open transaction on this session.
+fn in_transaction(tx: &Transaction<'static>) -> bool {
+    tx.last_ok_packet().is_some_and(|ok| {
+        ok.status_flags()
+            .contains(StatusFlags::SERVER_STATUS_IN_TRANS)
+    })
+}
+
+/// The error when the claiming transaction ended inside the effect.
+fn lost_transaction() -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        "the idem transaction ended inside the effect (a deadlock 1213 the effect swallowed, \
+         or COMMIT, ROLLBACK or DDL run by the effect); idem rolled back what was left and \
+         stored no record",
+    )
+}
+
+/// Rolls back after a failure and returns the failure.
+async fn abort(tx: Transaction<'static>, e: DbError) -> DbError {
+    // The first error is the one that matters; a failed ROLLBACK drops the connection.
+    let _ = tx.rollback().await;
+    e
+}
+
+/// Claims inside `tx`: `Ok(None)` when this transaction won, `Ok(Some(stored))` for a
+/// committed, live record.
+async fn claim_in(
+    tx: &mut Transaction<'static>,
+    target: &Target<'_>,
+    micros: i64,
+) -> Result<Option<Stored>, DbError> {
+    for _ in 0..CLAIM_ROUNDS {
+        match tx
+            .exec_drop(
+                target.insert,
+                target.params(None, Some(target.request_value())),
+            )
+            .await
+        {
+            Ok(()) => return Ok(None),
+            Err(e) if is_duplicate(&e) => {}
+            Err(e) => return Err(db_error(e)),
+        }
+        let row: Option<Row> = tx
+            .exec_first(target.select, target.params(Some(micros.into()), None))
+            .await
+            .map_err(db_error)?;
+        let Some(row) = row else {
+            // Deleted (purged) between the INSERT and the read: claim again.
+            continue;
+        };
+        let (stored, expired) = target.read(row, true)?;
+        if !expired {
+            return Ok(Some(stored));
+        }
+        tx.exec_drop(
+            target.replace,
+            target.params(Some(target.request_value()), Some(micros.into())),
+        )
+        .await
+        .map_err(db_error)?;
+        if tx.affected_rows() == 1 {
+            return Ok(None);
+        }
+        // Replaced by another claimant in between: claim again.
+    }
+    Err(DbError::new(
+        ENGINE,
+        ErrorKind::Transient,
+        "the conflicting record kept changing during the claim",
+    ))
+}
+
+impl Backend for MysqlBackend {
+    type Tx = MysqlTx;
+
+    async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
+        let target = Target::of(claim);
+        let micros = window_micros(claim.retention);
+        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let row: Option<Row> = conn
+            .exec_first(target.lookup, target.params(None, Some(micros.into())))
+            .await
+            .map_err(db_error)?;
+        drop(conn);
+        row.map(|row| target.read(row, false).map(|(stored, _)| stored))
+            .transpose()
+    }
+
+    async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MysqlTx>, DbError> {
+        let target = Target::of(claim);
+        let micros = window_micros(claim.retention);
+        let mut tx = self
+            .pool
+            .start_transaction(TxOpts::default())
+            .await
+            .map_err(db_error)?;
+        match claim_in(&mut tx, &target, micros).await {
+            Ok(None) if target.is_request => Ok(Claimed::Won(MysqlTx { tx })),
+            Ok(None) => match tx.query_drop(sql::SAVEPOINT_CLAIMED).await {
+                Ok(()) => Ok(Claimed::Won(MysqlTx { tx })),
+                Err(e) => Err(abort(tx, db_error(e)).await),
+            },
+            Ok(Some(stored)) => {
+                tx.rollback().await.map_err(db_error)?;
+                Ok(Claimed::Found(stored))
+            }
+            Err(e) => Err(abort(tx, e).await),
+        }
+    }
+
+    async fn finish(&self, tx: MysqlTx, claim: &Claim<'_>, end: Finish<'_>) -> Result<(), DbError> {
+        let mut tx = tx.tx;
+        let (response, status) = match end {
+            Finish::Rollback => return tx.rollback().await.map_err(db_error),
+            Finish::Commit { response, status } => (response, status),
+        };
+        let target = Target::of(claim);
+        let intact = if target.is_request {
+            // The placeholder must still be there, unfinished, in this open transaction.
+            let mut params: Vec<Value> = vec![response.into(), status.code().into()];
+            params.extend(target.params(None, None));
+            match tx.exec_drop(sql::COMPLETE_REQUEST, params).await {
+                Ok(()) => tx.affected_rows() == 1,
+                Err(e) => return Err(abort(tx, db_error(e)).await),
+            }
+        } else {
+            // The savepoint set by the claim must still exist.
+            match tx.query_drop(sql::RELEASE_CLAIMED).await {
+                Ok(()) => true,
+                Err(e)
+                    if error_codes::server_code(&e) == Some(error_codes::ER_SP_DOES_NOT_EXIST) =>
+                {
+                    false
+                }
+                Err(e) => return Err(abort(tx, db_error(e)).await),
+            }
+        };
+        if !intact || !in_transaction(&tx) {
+            return Err(abort(tx, lost_transaction()).await);
+        }
+        tx.commit().await.map_err(db_error)
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        if let Some(e) = error.downcast_ref::<mysql_async::Error>() {
+            return Some(error_codes::classify(e));
+        }
+        error
+            .downcast_ref::<mysql_async::ServerError>()
+            .map(|e| error_codes::kind_of(e.code))
+    }
+}
+
+impl Maintenance for MysqlBackend {
+    async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let locked: Option<Row> = conn
+            .exec_first(sql::MIGRATION_LOCK, (MIGRATION_LOCK_TIMEOUT_SECS,))
+            .await
+            .map_err(db_error)?;
+        let locked: Option<i64> = match locked {
+            Some(mut row) => take(&mut row, 0, "GET_LOCK")?,
+            None => None,
+        };
+        if locked != Some(1) {
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::LockTimeout,
+                format!(
+                    "another migrator held the migration lock for {MIGRATION_LOCK_TIMEOUT_SECS} s \
+                     (or no database is selected)"
+                ),
+            ));
+        }
+        let applied = apply_migrations(&mut conn).await;
+        let released = conn.query_drop(sql::MIGRATION_UNLOCK).await;
+        let applied = applied?;
+        released.map_err(db_error)?;
+        Ok(applied)
+    }
+
+    async fn purge_batch(
+        &self,
+        table: Table,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, DbError> {
+        let statement = match table {
+            Table::Requests => sql::PURGE_REQUESTS,
+            Table::Messages => sql::PURGE_MESSAGES,
+        };
+        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        conn.exec_drop(statement, (window_micros(older_than), limit))
+            .await
+            .map_err(db_error)?;
+        Ok(conn.affected_rows())
+    }
+}
+
+/// Applies the missing migrations while holding the migration lock. DDL commits
+/// implicitly in MySQL, so every statement is written to be re-runnable
+/// (`IF NOT EXISTS`); the version is recorded after its statements.
+async fn apply_migrations(conn: &mut mysql_async::Conn) -> Result<Vec<u32>, DbError> {
+    conn.query_drop(sql::CREATE_MIGRATIONS)
+        .await
+        .map_err(db_error)?;
+    let rows: Vec<Row> = conn
+        .exec(sql::SELECT_MIGRATIONS, ())
+        .await
+        .map_err(db_error)?;
+    let mut done = Vec::with_capacity(rows.len());
+    for mut row in rows {
+        done.push(take::<u32>(&mut row, 0, "version")?);
+    }
+    let mut applied = Vec::new();
+    for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
+        for statement in m.statements() {
+            conn.query_drop(statement).await.map_err(db_error)?;
+        }
+        conn.exec_drop(sql::INSERT_MIGRATION, (m.version, m.name))
+            .await
+            .map_err(db_error)?;
+        applied.push(m.version);
+    }
+    Ok(applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_parse() {
+        let opts = parse_url("mysql://root@127.0.0.1:3306/test").expect("mysql://");
+        assert_eq!(opts.user(), Some("root"));
+        assert_eq!(opts.db_name(), Some("test"));
+        assert_eq!(opts.tcp_port(), 3306);
+        assert_eq!(
+            opts.pool_opts().constraints().max(),
+            DEFAULT_MAX_CONNECTIONS
+        );
+
+        let opts = parse_url("mariadb://app:s3cret@db.example:3307/shop").expect("mariadb://");
+        assert_eq!(opts.user(), Some("app"));
+        assert_eq!(opts.pass(), Some("s3cret"));
+        assert_eq!(opts.ip_or_hostname(), "db.example");
+        assert_eq!(opts.tcp_port(), 3307);
+        assert_eq!(opts.db_name(), Some("shop"));
+
+        let opts = parse_url(" MariaDB://root@h/test ").expect("case-insensitive scheme");
+        assert_eq!(opts.tcp_port(), 3306, "the default port");
+
+        let opts = parse_url("mysql://root@h/test?pool_min=0&pool_max=7").expect("pool_max");
+        assert_eq!(opts.pool_opts().constraints().max(), 7);
+        let opts = parse_url("mysql://root@h/test?pool_min=1&pool_max=100").expect("pool");
+        assert_eq!(opts.pool_opts().constraints().max(), 100);
+    }
+
+    #[test]
+    fn bad_urls_are_configuration_errors_without_secrets() {
+        for bad in [
+            "",
+            "mysql",
+            "postgres://u:pw@h/db",
+            "sqlite::memory:",
+            "mysql://",
+            "mysql://root@h/test?pool_max=lots",
+            "mysql://root@h/test?pool_min=9&pool_max=1",
+            "mysql://root:hunter2@h/test?no_such_option=1",
+        ] {
+            match parse_url(bad) {
+                Ok(_) => panic!("{bad:?} was accepted"),
+                Err(e) => {
+                    assert_eq!(e.kind(), ErrorKind::Configuration, "{bad:?}: {e}");
+                    assert!(!e.to_string().contains("hunter2"), "{e}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn windows_stay_in_datetime_range() {
+        assert_eq!(window_micros(Duration::from_millis(400)), 400_000);
+        assert_eq!(window_micros(Duration::ZERO), 0);
+        assert_eq!(
+            window_micros(Duration::from_secs(24 * 60 * 60)),
+            86_400_000_000
+        );
+        assert_eq!(window_micros(Duration::MAX), window_micros(MAX_WINDOW));
+    }
+
+    #[test]
+    fn backend_classifies_driver_errors_in_chains() {
+        // `classify` needs no connection: build a backend around a pool that never connects.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async {
+            let backend = MysqlBackend::from_pool(Pool::new(
+                parse_url("mysql://u@127.0.0.1:1/x").expect("url"),
+            ));
+            let deadlock = mysql_async::Error::Server(mysql_async::ServerError {
+                code: 1213,
+                message: String::new(),
+                state: "40001".into(),
+            });
+            assert_eq!(backend.classify(&deadlock), Some(ErrorKind::Deadlock));
+            let timeout = mysql_async::ServerError {
+                code: 1205,
+                message: String::new(),
+                state: "HY000".into(),
+            };
+            assert_eq!(backend.classify(&timeout), Some(ErrorKind::LockTimeout));
+            let unrelated = std::io::Error::other("not a driver error");
+            assert_eq!(backend.classify(&unrelated), None);
+            let _ = backend.disconnect().await;
+        });
+    }
+
+    #[test]
+    fn migration_is_embedded() {
+        assert_eq!(MIGRATIONS.len(), 1);
+        assert_eq!(MIGRATIONS[0].version, 1);
+        assert!(MIGRATIONS[0].sql.contains("idem_request_result"));
+        assert!(MIGRATIONS[0].sql.contains("idem_processed_message"));
+    }
+}
