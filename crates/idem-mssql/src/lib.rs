@@ -1,1 +1,810 @@
-//! SQL Server backend for idem (work in progress).
+//! SQL Server backend for idem, on [tiberius](https://docs.rs/tiberius) 0.13 (tokio).
+//!
+//! **Status: written from SQL Server's documentation (2019–2025) and verified offline
+//! only** (SQL text snapshots, error-number classification, URL parsing, connection
+//! failure). The shared conformance suite runs against a live server whenever
+//! `IDEM_MSSQL_URL` is set; it has not been run live on this project's machines.
+//!
+//! # The claim: a plain `INSERT`, duplicate classified by 2627/2601, then a re-read
+//!
+//! Each attempt opens a transaction (`SET XACT_ABORT OFF; SET TRANSACTION ISOLATION
+//! LEVEL READ COMMITTED; BEGIN TRANSACTION`) and inserts a placeholder record (response
+//! `NULL`) keyed by the primary key `(principal, operation, request_key)`:
+//!
+//! - no conflicting row: the INSERT succeeds and holds an exclusive key lock until the
+//!   transaction ends. This caller won; the effect runs in the same transaction, and
+//!   the response is written into the record just before `COMMIT`.
+//! - a conflicting row whose transaction is still open: the INSERT's uniqueness check
+//!   **waits** for that transaction's exclusive key lock. If it commits, the INSERT
+//!   fails with 2627 (2601 for a unique index); if it rolls back, the INSERT succeeds
+//!   and this caller takes the key over.
+//! - after 2627 a **separate** `SELECT` re-reads the row. Under READ COMMITTED a new
+//!   statement sees the committed winner (locking reads wait for any transaction that
+//!   holds the row; with `READ_COMMITTED_SNAPSHOT ON` the statement's snapshot starts
+//!   after the INSERT's wait ended). A live row is returned as
+//!   [`Claimed::Found`] after a rollback; an expired row (older than the retention, by
+//!   `SYSUTCDATETIME()`) is taken over by an `UPDATE … WHERE created_at < cutoff`, whose
+//!   predicate is re-checked on the row's current version once its lock is granted, so
+//!   two takers cannot both win (the second updates no row and claims again).
+//!
+//! 2627 is a *statement*-terminating error: with `XACT_ABORT OFF` (set by every claim)
+//! the transaction stays open and usable for the re-read. This is why idem sets it.
+//!
+//! **Why not the alternatives.** `INSERT … SELECT … WHERE NOT EXISTS (… WITH (UPDLOCK,
+//! HOLDLOCK))` is correct too, but `HOLDLOCK` takes a key-*range* lock that is held until
+//! `COMMIT`, i.e. for the whole effect: a claim of any *other* new key falling in the
+//! same range (for example every key appended after the highest one) waits for that
+//! effect. The plain INSERT locks only its own key, so distinct keys never wait for each
+//! other. Bare `MERGE` without `HOLDLOCK` is documented to race (two sessions both see
+//! "not matched"); `IGNORE_DUP_KEY` turns the duplicate into a warning and silently
+//! drops the row. Neither is used.
+//!
+//! # Isolation levels
+//!
+//! READ COMMITTED is the default and the documented choice ([`Isolation`]). REPEATABLE
+//! READ and SERIALIZABLE also see the winner (their reads lock). **SNAPSHOT**: the
+//! INSERT still waits and fails with 2627, but the re-read reads the transaction's
+//! snapshot, which may predate the winner's commit, and finds nothing. The claim then
+//! rolls back and returns [`ErrorKind::Transient`]; idem retries with a new transaction,
+//! whose snapshot (taken at its first statement) contains the winner. Replacing an
+//! expired row that changed after the snapshot began fails with 3960, also retried.
+//!
+//! # Retries and errors
+//!
+//! Errors are classified by number ([`error_codes`]), never by message: 1205 deadlock
+//! victim → [`ErrorKind::Deadlock`], 1222 lock timeout → [`ErrorKind::LockTimeout`],
+//! 3960/3961 snapshot conflicts → [`ErrorKind::SerializationFailure`]; idem retries the
+//! whole transaction with the same key. The same applies when such an error comes out
+//! of your effect (the protocol finds a `tiberius::error::Error` in the error chain).
+//!
+//! # Keys, JSON, time
+//!
+//! Scope and key columns are `varbinary(255)` bound as bytes: string comparison pads
+//! trailing spaces even under `_BIN2` collations (`'k' = 'k '`), bytes do not.
+//! `varbinary` comparison ignores trailing `0x00`, so idem refuses NUL (every control
+//! character) before any SQL. JSON is `nvarchar(max)` and compared as values in Rust.
+//! Expiry uses `SYSUTCDATETIME()` and `DATEADD` with the retention split into days,
+//! seconds and microseconds (`DATEADD` takes an `int`).
+//!
+//! # Effects
+//!
+//! An effect receives a [`MssqlTx`], a connection inside the open transaction, and runs
+//! its SQL on [`MssqlTx::client`]:
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use idem_core::serde_json::json;
+//! use idem_core::{Idem, Key, Operation, Principal, Request, Scope};
+//! use idem_mssql::{MssqlBackend, db_error};
+//!
+//! let idem = Idem::new(MssqlBackend::connect("mssql://app:secret@db:1433/app?trust_server_certificate=true").await?);
+//! idem.migrate().await?;
+//! let scope = Scope::new(Principal::new("user-7")?, Operation::new("debit", 1)?);
+//! let request = Request::new(json!({"amount": 100}));
+//! let outcome = idem
+//!     .execute(&scope, &Key::new("checkout-42")?, &request, |tx| {
+//!         Box::pin(async move {
+//!             tx.client()
+//!                 .execute("UPDATE account SET balance = balance - 100 WHERE id = 1", &[])
+//!                 .await
+//!                 .map_err(db_error)?;
+//!             Ok::<_, idem_core::DbError>(json!({"ok": true}))
+//!         })
+//!     })
+//!     .await?;
+//! # Ok(()) }
+//! ```
+//!
+//! An effect must not `COMMIT` or `ROLLBACK` itself, nor enable `XACT_ABORT` and then
+//! swallow an error: completing a record whose transaction already ended fails instead
+//! of committing (the record is missing), so nothing is stored as done.
+//!
+//! # Connections
+//!
+//! [`MssqlBackend::connect`] takes `mssql://user:password@host:port/database?…`
+//! (`sqlserver://` too) or an ADO.NET string; see [`MssqlOptions::parse`]. Encryption
+//! is required by default and certificates are validated against the system trust
+//! store; use `trust_server_certificate=true` (ADO.NET `TrustServerCertificate=true`)
+//! for a development server's self-signed certificate. Connections come from a small
+//! pool ([`MssqlOptions::max_connections`], default 16). A connection returns to the
+//! pool only when it is outside any transaction and in sync; otherwise (a cancelled
+//! call, a transport error) it is closed and the server rolls back.
+
+pub mod error_codes;
+mod options;
+mod pool;
+mod sql;
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use idem_core::{
+    Backend, BoxFuture, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance,
+    Migration, Status, Stored, Table,
+};
+pub use tiberius;
+use tiberius::Row;
+use tiberius::error::Error as TdsError;
+
+pub use error_codes::db_error;
+use error_codes::db_error_in;
+pub use options::{
+    DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Isolation,
+    MssqlOptions, redact_url,
+};
+pub use pool::MssqlClient;
+use pool::{Lease, Pool};
+
+/// The engine's name in errors.
+pub(crate) const ENGINE: &str = "mssql";
+
+/// The migrations embedded from `migrations/mssql/`.
+pub const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "0001_idempotency_records.sql",
+    sql: include_str!("../../../migrations/mssql/0001_idempotency_records.sql"),
+}];
+
+/// How often a claim re-tries inside one transaction when the conflicting record
+/// vanished (purged) or was replaced between the INSERT and the re-read.
+const CLAIM_ROUNDS: usize = 3;
+
+/// The longest retention expressed exactly: 700,000 days (about 1,916 years). Longer
+/// ones are treated as this, which keeps `DATEADD` inside `datetime2`'s range.
+const MAX_RETENTION_DAYS: u64 = 700_000;
+
+/// An idem backend on a pool of SQL Server connections.
+#[derive(Clone)]
+pub struct MssqlBackend {
+    pool: Arc<Pool>,
+}
+
+impl fmt::Debug for MssqlBackend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MssqlBackend")
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+/// The open transaction handed to effects: a pooled connection inside
+/// `BEGIN TRANSACTION`. Run the effect's SQL on [`MssqlTx::client`]; it commits or
+/// rolls back with the idempotency record.
+pub struct MssqlTx {
+    lease: Lease,
+}
+
+impl fmt::Debug for MssqlTx {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MssqlTx").finish_non_exhaustive()
+    }
+}
+
+impl MssqlTx {
+    /// The connection, inside the open transaction.
+    pub fn client(&mut self) -> &mut MssqlClient {
+        self.lease.client()
+    }
+}
+
+/// `(days, seconds, microseconds)` of a retention, each within `DATEADD`'s `int`.
+pub(crate) fn cutoff_parts(retention: Duration) -> (i32, i32, i32) {
+    let secs = retention.as_secs();
+    let days = secs / 86_400;
+    if days > MAX_RETENTION_DAYS {
+        return (i32::try_from(MAX_RETENTION_DAYS).unwrap_or(i32::MAX), 0, 0);
+    }
+    (
+        i32::try_from(days).unwrap_or(i32::MAX),
+        i32::try_from(secs % 86_400).unwrap_or(0),
+        i32::try_from(retention.subsec_micros()).unwrap_or(0),
+    )
+}
+
+fn read_error(what: &str) -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::CorruptRecord,
+        format!("unexpected {what} in a stored record"),
+    )
+}
+
+fn text(row: &Row, idx: usize) -> Result<Option<String>, DbError> {
+    row.try_get::<&str, _>(idx)
+        .map(|v| v.map(str::to_owned))
+        .map_err(|e| db_error_in("reading a stored record", e))
+}
+
+fn stored_request(row: &Row) -> Result<Stored, DbError> {
+    let status: u8 = row
+        .try_get::<u8, _>(2)
+        .map_err(|e| db_error_in("reading a stored record", e))?
+        .ok_or_else(|| read_error("NULL status"))?;
+    Ok(Stored {
+        request: text(row, 0)?,
+        response: text(row, 1)?,
+        status: Status::from_code(i64::from(status))?,
+    })
+}
+
+fn stored_message(row: &Row) -> Result<Stored, DbError> {
+    Ok(Stored {
+        request: text(row, 0)?,
+        response: None,
+        status: Status::Succeeded,
+    })
+}
+
+fn expired(row: &Row, idx: usize) -> Result<bool, DbError> {
+    row.try_get::<i32, _>(idx)
+        .map(|v| v == Some(1))
+        .map_err(|e| db_error_in("reading a stored record", e))
+}
+
+/// The bound identity: byte strings for the primary key columns.
+enum Ids<'a> {
+    Request {
+        principal: &'a [u8],
+        operation: &'a [u8],
+        key: &'a [u8],
+    },
+    Message {
+        subscriber: &'a [u8],
+        message_id: &'a [u8],
+    },
+}
+
+impl<'a> Ids<'a> {
+    fn of(claim: &Claim<'a>) -> Self {
+        match claim.id {
+            Identity::Request { scope, key } => Self::Request {
+                principal: scope.principal.as_str().as_bytes(),
+                operation: scope.operation.as_str().as_bytes(),
+                key: key.as_str().as_bytes(),
+            },
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => Self::Message {
+                subscriber: subscriber.as_str().as_bytes(),
+                message_id: message_id.as_str().as_bytes(),
+            },
+        }
+    }
+}
+
+/// What one claim round found.
+enum Round {
+    Won,
+    Found(Stored),
+    /// The conflicting row is not visible (purged, or outside a SNAPSHOT transaction's
+    /// snapshot), or an expired row was replaced first.
+    Again,
+}
+
+impl MssqlBackend {
+    /// Connects by URL or ADO.NET connection string (see [`MssqlOptions::parse`]) and
+    /// opens one connection now, so a wrong address or login fails here.
+    pub async fn connect(url: &str) -> Result<Self, DbError> {
+        Self::connect_with(MssqlOptions::parse(url)?).await
+    }
+
+    /// Connects with explicit options.
+    pub async fn connect_with(options: MssqlOptions) -> Result<Self, DbError> {
+        let backend = Self {
+            pool: Arc::new(Pool::new(options)),
+        };
+        // Open one connection now; it stays in the pool.
+        let lease = backend.pool.acquire().await?;
+        drop(lease);
+        Ok(backend)
+    }
+
+    /// The options this backend connects with.
+    pub fn options(&self) -> &MssqlOptions {
+        &self.pool.options
+    }
+
+    /// Runs `f` on a pooled connection, outside any idem transaction. Leave no
+    /// transaction open: the connection goes back to the pool after `f` succeeds (or
+    /// fails with a server error).
+    pub async fn interact<T, F>(&self, f: F) -> Result<T, DbError>
+    where
+        T: Send,
+        F: for<'c> FnOnce(&'c mut MssqlClient) -> BoxFuture<'c, Result<T, TdsError>>,
+    {
+        let mut lease = self.pool.acquire().await?;
+        lease.set_in_tx(true);
+        let result = f(lease.client()).await;
+        match &result {
+            Ok(_) | Err(TdsError::Server(_)) => lease.set_in_tx(false),
+            Err(_) => {}
+        }
+        result.map_err(db_error)
+    }
+
+    /// Closes the idle connections and refuses new work. Connections in use close when
+    /// they are returned.
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    async fn rollback_after(&self, mut lease: Lease, error: DbError) -> DbError {
+        // Best effort: if the rollback fails the lease is closed, which rolls back too.
+        let _ = lease.rollback().await;
+        error
+    }
+
+    async fn claim_round(
+        lease: &mut Lease,
+        ids: &Ids<'_>,
+        claim: &Claim<'_>,
+    ) -> Result<Round, DbError> {
+        let (days, secs, micros) = cutoff_parts(claim.retention);
+        let request = claim.request;
+        let inserted = match ids {
+            Ids::Request {
+                principal,
+                operation,
+                key,
+            } => {
+                lease
+                    .execute(
+                        sql::INSERT_REQUEST,
+                        &[principal, operation, key, &request.unwrap_or_default()],
+                    )
+                    .await
+            }
+            Ids::Message {
+                subscriber,
+                message_id,
+            } => {
+                lease
+                    .execute(sql::INSERT_MESSAGE, &[subscriber, message_id, &request])
+                    .await
+            }
+        };
+        match inserted {
+            Ok(_) => return Ok(Round::Won),
+            Err(e) if error_codes::classify(&e) == ErrorKind::UniqueViolation => {}
+            Err(e) => return Err(db_error_in("claiming the key", e)),
+        }
+        let reread = |e| db_error_in("re-reading the conflicting record", e);
+        let replace = |e| db_error_in("replacing an expired record", e);
+        match ids {
+            Ids::Request {
+                principal,
+                operation,
+                key,
+            } => {
+                let row = lease
+                    .query_row(
+                        sql::SELECT_REQUEST,
+                        &[principal, operation, key, &days, &secs, &micros],
+                    )
+                    .await
+                    .map_err(reread)?;
+                let Some(row) = row else {
+                    return Ok(Round::Again);
+                };
+                if !expired(&row, 3)? {
+                    return Ok(Round::Found(stored_request(&row)?));
+                }
+                let n = lease
+                    .execute(
+                        sql::REPLACE_EXPIRED_REQUEST,
+                        &[
+                            principal,
+                            operation,
+                            key,
+                            &request.unwrap_or_default(),
+                            &days,
+                            &secs,
+                            &micros,
+                        ],
+                    )
+                    .await
+                    .map_err(replace)?;
+                Ok(if n == 1 { Round::Won } else { Round::Again })
+            }
+            Ids::Message {
+                subscriber,
+                message_id,
+            } => {
+                let row = lease
+                    .query_row(
+                        sql::SELECT_MESSAGE,
+                        &[subscriber, message_id, &days, &secs, &micros],
+                    )
+                    .await
+                    .map_err(reread)?;
+                let Some(row) = row else {
+                    return Ok(Round::Again);
+                };
+                if !expired(&row, 1)? {
+                    return Ok(Round::Found(stored_message(&row)?));
+                }
+                let n = lease
+                    .execute(
+                        sql::REPLACE_EXPIRED_MESSAGE,
+                        &[subscriber, message_id, &request, &days, &secs, &micros],
+                    )
+                    .await
+                    .map_err(replace)?;
+                Ok(if n == 1 { Round::Won } else { Round::Again })
+            }
+        }
+    }
+}
+
+impl Backend for MssqlBackend {
+    type Tx = MssqlTx;
+
+    async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let (days, secs, micros) = cutoff_parts(claim.retention);
+        let lookup = |e| db_error_in("looking up the record", e);
+        match Ids::of(claim) {
+            Ids::Request {
+                principal,
+                operation,
+                key,
+            } => {
+                let row = lease
+                    .query_row(
+                        sql::LOOKUP_REQUEST,
+                        &[&principal, &operation, &key, &days, &secs, &micros],
+                    )
+                    .await
+                    .map_err(lookup)?;
+                row.as_ref().map(stored_request).transpose()
+            }
+            Ids::Message {
+                subscriber,
+                message_id,
+            } => {
+                let row = lease
+                    .query_row(
+                        sql::LOOKUP_MESSAGE,
+                        &[&subscriber, &message_id, &days, &secs, &micros],
+                    )
+                    .await
+                    .map_err(lookup)?;
+                row.as_ref().map(stored_message).transpose()
+            }
+        }
+    }
+
+    async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MssqlTx>, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let isolation = self.pool.options.isolation;
+        if let Err(e) = lease.begin(isolation.begin_sql()).await {
+            let e = db_error_in("beginning the claim's transaction", e);
+            return Err(self.rollback_after(lease, e).await);
+        }
+        let ids = Ids::of(claim);
+        for _ in 0..CLAIM_ROUNDS {
+            match Self::claim_round(&mut lease, &ids, claim).await {
+                Ok(Round::Won) => return Ok(Claimed::Won(MssqlTx { lease })),
+                Ok(Round::Found(stored)) => {
+                    lease
+                        .rollback()
+                        .await
+                        .map_err(|e| db_error_in("ending the claim's transaction", e))?;
+                    return Ok(Claimed::Found(stored));
+                }
+                // Under SNAPSHOT the same transaction would never see the winner.
+                Ok(Round::Again) if isolation == Isolation::Snapshot => break,
+                Ok(Round::Again) => {}
+                Err(e) => return Err(self.rollback_after(lease, e).await),
+            }
+        }
+        let e = DbError::new(
+            ENGINE,
+            ErrorKind::Transient,
+            "the conflicting record was not visible to this transaction (purged, replaced, \
+             or committed after a SNAPSHOT transaction began); claiming again in a new transaction",
+        );
+        Err(self.rollback_after(lease, e).await)
+    }
+
+    async fn finish(
+        &self,
+        mut tx: MssqlTx,
+        claim: &Claim<'_>,
+        end: Finish<'_>,
+    ) -> Result<(), DbError> {
+        let (response, status) = match end {
+            Finish::Rollback => {
+                return tx
+                    .lease
+                    .rollback()
+                    .await
+                    .map_err(|e| db_error_in("rolling back", e));
+            }
+            Finish::Commit { response, status } => (response, status),
+        };
+        if let Ids::Request {
+            principal,
+            operation,
+            key,
+        } = Ids::of(claim)
+        {
+            let completed = tx
+                .lease
+                .execute(
+                    sql::COMPLETE_REQUEST,
+                    &[&principal, &operation, &key, &response, &status.code()],
+                )
+                .await;
+            match completed {
+                Ok(1) => {}
+                Ok(n) => {
+                    let e = DbError::new(
+                        ENGINE,
+                        ErrorKind::Other,
+                        format!(
+                            "completing the record updated {n} rows instead of 1: the transaction \
+                             ended inside the effect (did it COMMIT, ROLLBACK, or hit an error with \
+                             XACT_ABORT ON?); nothing was stored"
+                        ),
+                    );
+                    return Err(self.rollback_after(tx.lease, e).await);
+                }
+                Err(e) => {
+                    let e = db_error_in("completing the record", e);
+                    return Err(self.rollback_after(tx.lease, e).await);
+                }
+            }
+        }
+        match tx.lease.commit().await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                let e = db_error_in("committing", e);
+                Err(self.rollback_after(tx.lease, e).await)
+            }
+        }
+    }
+
+    fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        error_codes::classify_dyn(error)
+    }
+}
+
+impl Maintenance for MssqlBackend {
+    async fn migrate(&self) -> Result<Vec<u32>, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        if let Err(e) = lease.begin(sql::BEGIN_READ_COMMITTED).await {
+            let e = db_error_in("beginning the migration", e);
+            return Err(self.rollback_after(lease, e).await);
+        }
+        match migrate_in(&mut lease).await {
+            Ok(applied) => {
+                lease
+                    .commit()
+                    .await
+                    .map_err(|e| db_error_in("committing the migration", e))?;
+                Ok(applied)
+            }
+            Err(e) => Err(self.rollback_after(lease, e).await),
+        }
+    }
+
+    async fn purge_batch(
+        &self,
+        table: Table,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, DbError> {
+        let statement = match table {
+            Table::Requests => sql::PURGE_REQUESTS,
+            Table::Messages => sql::PURGE_MESSAGES,
+        };
+        let (days, secs, micros) = cutoff_parts(older_than);
+        let mut lease = self.pool.acquire().await?;
+        lease
+            .execute(statement, &[&days, &secs, &micros, &i64::from(limit)])
+            .await
+            .map_err(|e| db_error_in("purging", e))
+    }
+}
+
+async fn migrate_in(lease: &mut Lease) -> Result<Vec<u32>, DbError> {
+    let status = lease
+        .batch(sql::MIGRATION_LOCK)
+        .await
+        .map_err(|e| db_error_in("taking the migration lock", e))?
+        .and_then(|row| row.try_get::<i32, _>(0).ok().flatten());
+    match status {
+        Some(0 | 1) => {}
+        Some(-1) => {
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::LockTimeout,
+                "another migrator held the migration lock (sp_getapplock) for 60 s",
+            ));
+        }
+        Some(-3) => {
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::Deadlock,
+                "the migration lock request (sp_getapplock) was chosen as a deadlock victim",
+            ));
+        }
+        other => {
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::Other,
+                format!("sp_getapplock refused the migration lock (status {other:?})"),
+            ));
+        }
+    }
+    lease
+        .batch(sql::CREATE_MIGRATIONS)
+        .await
+        .map_err(|e| db_error_in("creating idem_schema_migrations", e))?;
+    let done: Vec<i32> = lease
+        .query_all(sql::SELECT_MIGRATIONS, &[])
+        .await
+        .map_err(|e| db_error_in("reading idem_schema_migrations", e))?
+        .iter()
+        .filter_map(|row| row.try_get::<i32, _>(0).ok().flatten())
+        .collect();
+    let mut applied = Vec::new();
+    for m in MIGRATIONS {
+        let version = i32::try_from(m.version).unwrap_or(i32::MAX);
+        if done.contains(&version) {
+            continue;
+        }
+        for (i, statement) in m.statements().iter().enumerate() {
+            lease.batch(statement).await.map_err(|e| {
+                db_error_in(&format!("migration {} statement {}", m.name, i + 1), e)
+            })?;
+        }
+        lease
+            .execute(sql::INSERT_MIGRATION, &[&version, &m.name])
+            .await
+            .map_err(|e| db_error_in("recording the migration", e))?;
+        applied.push(m.version);
+    }
+    Ok(applied)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    #[test]
+    fn retention_splits_into_dateadd_ints() {
+        assert_eq!(cutoff_parts(Duration::from_millis(400)), (0, 0, 400_000));
+        assert_eq!(cutoff_parts(Duration::from_secs(24 * 3600)), (1, 0, 0));
+        assert_eq!(
+            cutoff_parts(Duration::from_secs(90_061) + Duration::from_micros(500_000)),
+            (1, 3661, 500_000)
+        );
+        // 100 years: one int of seconds would overflow.
+        assert_eq!(
+            cutoff_parts(Duration::from_secs(100 * 365 * 86_400)),
+            (36_500, 0, 0)
+        );
+        assert_eq!(cutoff_parts(Duration::MAX), (700_000, 0, 0));
+        assert_eq!(cutoff_parts(Duration::from_nanos(999)), (0, 0, 0));
+    }
+
+    #[test]
+    fn migration_splits_into_guarded_statements() {
+        let statements = MIGRATIONS[0].statements();
+        assert_eq!(statements.len(), 4);
+        assert!(statements[0].starts_with("IF OBJECT_ID(N'idem_request_result', N'U') IS NULL"));
+        assert!(statements[1].contains("CREATE INDEX idem_request_result_created_at"));
+        assert!(statements[2].contains("CREATE TABLE idem_processed_message"));
+        assert!(statements[3].contains("CREATE INDEX idem_processed_message_processed_at"));
+        for s in &statements {
+            assert!(!s.trim_end().ends_with(';'), "{s}");
+            assert!(!s.contains("GO\n"), "no client-side batch separators");
+        }
+        let all = statements
+            .join(" ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        for column in [
+            "principal",
+            "operation",
+            "request_key",
+            "subscriber",
+            "message_id",
+        ] {
+            assert!(
+                all.contains(&format!("{column} varbinary(255) NOT NULL")),
+                "{column} is not varbinary(255)"
+            );
+        }
+        assert!(all.contains("SYSUTCDATETIME()"));
+        assert!(all.contains("nvarchar(max)"));
+    }
+
+    fn runtime() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("tokio: {e}"))
+    }
+
+    /// Nothing listens on 127.0.0.1:1: the connection is refused (no server answers).
+    #[test]
+    fn connecting_where_nothing_listens_fails_fast() {
+        let rt = runtime();
+        for url in [
+            "mssql://sa:Sup3r-S3cret@127.0.0.1:1/master?connect_timeout=3",
+            "Server=tcp:127.0.0.1,1;Database=master;User Id=sa;Password=Sup3r-S3cret;TrustServerCertificate=true",
+        ] {
+            let start = Instant::now();
+            let err = match rt.block_on(MssqlBackend::connect(url)) {
+                Ok(b) => panic!("connected to {b:?}"),
+                Err(e) => e,
+            };
+            let took = start.elapsed();
+            assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+            let text = err.to_string();
+            assert!(text.contains("127.0.0.1:1"), "{text}");
+            assert!(!text.contains("Sup3r-S3cret"), "{text}");
+            assert!(took < Duration::from_secs(5), "took {took:?}");
+        }
+    }
+
+    /// A listener that accepts and never answers: the connect timeout bounds the login.
+    /// (No TDS byte is ever sent back, so no server "answers".)
+    #[test]
+    fn a_silent_listener_hits_the_connect_timeout() {
+        let rt = runtime();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .unwrap_or_else(|e| panic!("bind: {e}"));
+            let port = listener
+                .local_addr()
+                .unwrap_or_else(|e| panic!("addr: {e}"))
+                .port();
+            let hold = tokio::spawn(async move {
+                let mut held = Vec::new();
+                while let Ok((socket, _)) = listener.accept().await {
+                    held.push(socket);
+                }
+            });
+            let start = Instant::now();
+            let url = format!("mssql://sa:Sup3r-S3cret@127.0.0.1:{port}/master?connect_timeout=1");
+            let err = match MssqlBackend::connect(&url).await {
+                Ok(b) => panic!("connected to {b:?}"),
+                Err(e) => e,
+            };
+            assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+            assert!(
+                err.to_string().contains(&format!("127.0.0.1:{port}")),
+                "{err}"
+            );
+            assert!(!err.to_string().contains("Sup3r-S3cret"));
+            assert!(
+                start.elapsed() < Duration::from_secs(4),
+                "{:?}",
+                start.elapsed()
+            );
+            hold.abort();
+        });
+    }
+
+    #[test]
+    fn bad_urls_fail_before_any_connection() {
+        let rt = runtime();
+        let err = match rt.block_on(MssqlBackend::connect("mssql://sa:Sup3r-S3cret@h:x/db")) {
+            Ok(b) => panic!("connected to {b:?}"),
+            Err(e) => e,
+        };
+        assert_eq!(err.kind(), ErrorKind::Configuration);
+        assert!(!err.to_string().contains("Sup3r-S3cret"));
+    }
+}

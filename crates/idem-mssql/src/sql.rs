@@ -1,0 +1,260 @@
+//! Every statement the SQL Server backend sends.
+//!
+//! Parameters are tiberius' `@P1, @P2, …` (sent through `sp_executesql`). Scope, key,
+//! subscriber and message ID are bound as bytes (`varbinary`); JSON as `nvarchar`.
+//!
+//! The expiry cutoff is `SYSUTCDATETIME()` minus the retention, passed as three `int`s
+//! (days, seconds, microseconds): `DATEADD` takes an `int`, so one number of seconds
+//! overflows after 68 years and one number of microseconds after 36 minutes.
+//! `SYSUTCDATETIME()` is evaluated once per statement.
+
+macro_rules! cutoff {
+    ($days:literal, $secs:literal, $micros:literal) => {
+        concat!(
+            "DATEADD(microsecond, -@P",
+            $micros,
+            ", DATEADD(second, -@P",
+            $secs,
+            ", DATEADD(day, -@P",
+            $days,
+            ", SYSUTCDATETIME())))"
+        )
+    };
+}
+macro_rules! request_pk {
+    () => {
+        "principal = @P1 AND operation = @P2 AND request_key = @P3"
+    };
+}
+macro_rules! message_pk {
+    () => {
+        "subscriber = @P1 AND message_id = @P2"
+    };
+}
+/// Statements whose row count idem reads start with this: a server whose
+/// `user options` turn NOCOUNT on would otherwise report no counts.
+macro_rules! counted {
+    () => {
+        "SET NOCOUNT OFF; "
+    };
+}
+macro_rules! begin {
+    ($level:literal) => {
+        concat!(
+            "SET XACT_ABORT OFF; SET TRANSACTION ISOLATION LEVEL ",
+            $level,
+            "; BEGIN TRANSACTION"
+        )
+    };
+}
+
+/// Starts a claim's transaction. `XACT_ABORT OFF` keeps the transaction open after
+/// the claim's expected duplicate-key error (2627 is statement-terminating only).
+/// The isolation level is session state on a pooled connection, so it is set every time.
+pub(crate) const BEGIN_READ_COMMITTED: &str = begin!("READ COMMITTED");
+pub(crate) const BEGIN_REPEATABLE_READ: &str = begin!("REPEATABLE READ");
+pub(crate) const BEGIN_SERIALIZABLE: &str = begin!("SERIALIZABLE");
+pub(crate) const BEGIN_SNAPSHOT: &str = begin!("SNAPSHOT");
+pub(crate) const COMMIT: &str = "COMMIT TRANSACTION";
+/// Safe after errors that already ended the transaction (1205 rolls it back).
+pub(crate) const ROLLBACK: &str = "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION";
+/// The health check of a connection that sat idle in the pool.
+pub(crate) const PING: &str = "SELECT 1";
+
+/// The claim: a plain INSERT. A conflicting key waits for the transaction holding it;
+/// then it succeeds (that one rolled back) or fails with 2627 (it committed).
+pub(crate) const INSERT_REQUEST: &str = "INSERT INTO idem_request_result (principal, operation, request_key, request) \
+     VALUES (@P1, @P2, @P3, @P4)";
+/// The re-read after 2627, as a new statement: under READ COMMITTED (locking or
+/// READ_COMMITTED_SNAPSHOT) it sees the row the INSERT collided with.
+pub(crate) const SELECT_REQUEST: &str = concat!(
+    "SELECT request, response, status, CASE WHEN created_at < ",
+    cutoff!(4, 5, 6),
+    " THEN 1 ELSE 0 END AS expired FROM idem_request_result WHERE ",
+    request_pk!()
+);
+/// Takes over an expired record. The predicate is checked again on the row's current
+/// version once its lock is granted, so two takers cannot both win.
+pub(crate) const REPLACE_EXPIRED_REQUEST: &str = concat!(
+    counted!(),
+    "UPDATE idem_request_result SET request = @P4, response = NULL, status = 0, created_at = SYSUTCDATETIME() WHERE ",
+    request_pk!(),
+    " AND created_at < ",
+    cutoff!(5, 6, 7)
+);
+/// Stores the response in the winner's transaction, just before COMMIT.
+pub(crate) const COMPLETE_REQUEST: &str = concat!(
+    counted!(),
+    "UPDATE idem_request_result SET response = @P4, status = @P5 WHERE ",
+    request_pk!()
+);
+/// The replay fast path (autocommit).
+pub(crate) const LOOKUP_REQUEST: &str = concat!(
+    "SELECT request, response, status FROM idem_request_result WHERE ",
+    request_pk!(),
+    " AND created_at >= ",
+    cutoff!(4, 5, 6)
+);
+
+pub(crate) const INSERT_MESSAGE: &str = "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint) \
+     VALUES (@P1, @P2, @P3)";
+pub(crate) const SELECT_MESSAGE: &str = concat!(
+    "SELECT fingerprint, CASE WHEN processed_at < ",
+    cutoff!(3, 4, 5),
+    " THEN 1 ELSE 0 END AS expired FROM idem_processed_message WHERE ",
+    message_pk!()
+);
+pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = concat!(
+    counted!(),
+    "UPDATE idem_processed_message SET fingerprint = @P3, processed_at = SYSUTCDATETIME() WHERE ",
+    message_pk!(),
+    " AND processed_at < ",
+    cutoff!(4, 5, 6)
+);
+pub(crate) const LOOKUP_MESSAGE: &str = concat!(
+    "SELECT fingerprint FROM idem_processed_message WHERE ",
+    message_pk!(),
+    " AND processed_at >= ",
+    cutoff!(3, 4, 5)
+);
+
+/// One bounded batch; rows still locked by a live transaction make it wait. The
+/// isolation level is reset here because a pooled session keeps the last claim's
+/// (a SNAPSHOT delete could fail with 3960); inside `sp_executesql` the SET lasts for
+/// this call.
+pub(crate) const PURGE_REQUESTS: &str = concat!(
+    counted!(),
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
+    "DELETE TOP (@P4) FROM idem_request_result WHERE created_at < ",
+    cutoff!(1, 2, 3)
+);
+pub(crate) const PURGE_MESSAGES: &str = concat!(
+    counted!(),
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
+    "DELETE TOP (@P4) FROM idem_processed_message WHERE processed_at < ",
+    cutoff!(1, 2, 3)
+);
+
+/// Serializes concurrent migrators of one database and schema: an exclusive
+/// application lock owned by the migration's transaction (released by COMMIT or
+/// ROLLBACK). Returns sp_getapplock's status: 0 or 1 granted, negative refused.
+pub(crate) const MIGRATION_LOCK: &str = "DECLARE @resource nvarchar(255) = CONCAT(SCHEMA_NAME(), N'.idem_schema_migrations'); \
+     DECLARE @status int; \
+     EXEC @status = sp_getapplock @Resource = @resource, @LockMode = N'Exclusive', @LockOwner = N'Transaction', @LockTimeout = 60000; \
+     SELECT @status AS status";
+pub(crate) const CREATE_MIGRATIONS: &str = "IF OBJECT_ID(N'idem_schema_migrations', N'U') IS NULL \
+     CREATE TABLE idem_schema_migrations (version int NOT NULL CONSTRAINT idem_schema_migrations_pkey PRIMARY KEY, \
+     name nvarchar(255) NOT NULL, \
+     applied_at datetime2(7) NOT NULL CONSTRAINT idem_schema_migrations_applied_df DEFAULT SYSUTCDATETIME())";
+pub(crate) const SELECT_MIGRATIONS: &str = "SELECT version FROM idem_schema_migrations";
+pub(crate) const INSERT_MIGRATION: &str =
+    "INSERT INTO idem_schema_migrations (version, name) VALUES (@P1, @P2)";
+
+#[cfg(test)]
+pub(crate) const ALL: &[(&str, &str)] = &[
+    ("begin_read_committed", BEGIN_READ_COMMITTED),
+    ("begin_repeatable_read", BEGIN_REPEATABLE_READ),
+    ("begin_serializable", BEGIN_SERIALIZABLE),
+    ("begin_snapshot", BEGIN_SNAPSHOT),
+    ("commit", COMMIT),
+    ("rollback", ROLLBACK),
+    ("ping", PING),
+    ("insert_request", INSERT_REQUEST),
+    ("select_request", SELECT_REQUEST),
+    ("replace_expired_request", REPLACE_EXPIRED_REQUEST),
+    ("complete_request", COMPLETE_REQUEST),
+    ("lookup_request", LOOKUP_REQUEST),
+    ("insert_message", INSERT_MESSAGE),
+    ("select_message", SELECT_MESSAGE),
+    ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
+    ("lookup_message", LOOKUP_MESSAGE),
+    ("purge_requests", PURGE_REQUESTS),
+    ("purge_messages", PURGE_MESSAGES),
+    ("migration_lock", MIGRATION_LOCK),
+    ("create_migrations", CREATE_MIGRATIONS),
+    ("select_migrations", SELECT_MIGRATIONS),
+    ("insert_migration", INSERT_MIGRATION),
+];
+
+#[cfg(test)]
+mod tests {
+    use super::ALL;
+
+    #[test]
+    fn statements_snapshot() {
+        let text: String = ALL
+            .iter()
+            .map(|(name, sql)| format!("-- {name}\n{sql};\n\n"))
+            .collect();
+        insta::assert_snapshot!(text);
+    }
+
+    /// The highest `@Pn` a statement uses, and whether every `@P1..@Pn` appears.
+    fn placeholders(sql: &str) -> (usize, bool) {
+        let mut seen = Vec::new();
+        let bytes = sql.as_bytes();
+        let mut i = 0;
+        while i + 2 < bytes.len() {
+            if bytes[i] == b'@' && bytes[i + 1] == b'P' {
+                let digits: String = sql[i + 2..]
+                    .chars()
+                    .take_while(char::is_ascii_digit)
+                    .collect();
+                if let Ok(n) = digits.parse::<usize>() {
+                    seen.push(n);
+                }
+            }
+            i += 1;
+        }
+        let max = seen.iter().copied().max().unwrap_or(0);
+        (max, (1..=max).all(|n| seen.contains(&n)))
+    }
+
+    #[test]
+    fn placeholders_are_dense_and_match_the_binds() {
+        // (statement, parameters bound by lib.rs)
+        let expected = [
+            ("insert_request", 4),
+            ("select_request", 6),
+            ("replace_expired_request", 7),
+            ("complete_request", 5),
+            ("lookup_request", 6),
+            ("insert_message", 3),
+            ("select_message", 5),
+            ("replace_expired_message", 6),
+            ("lookup_message", 5),
+            ("purge_requests", 4),
+            ("purge_messages", 4),
+            ("insert_migration", 2),
+            ("begin_read_committed", 0),
+            ("migration_lock", 0),
+        ];
+        for (name, want) in expected {
+            let sql = ALL
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, s)| *s)
+                .unwrap_or_else(|| panic!("no statement {name}"));
+            let (max, dense) = placeholders(sql);
+            assert_eq!(max, want, "{name}: highest placeholder");
+            assert!(dense, "{name}: placeholders are not 1..={max}");
+        }
+    }
+
+    #[test]
+    fn no_merge_and_no_ignore_dup_key() {
+        for (name, sql) in ALL {
+            let upper = sql.to_ascii_uppercase();
+            assert!(!upper.contains("MERGE"), "{name} uses MERGE");
+            assert!(
+                !upper.contains("IGNORE_DUP_KEY"),
+                "{name} uses IGNORE_DUP_KEY"
+            );
+        }
+        let migration = crate::MIGRATIONS
+            .iter()
+            .map(|m| m.sql.to_ascii_uppercase())
+            .collect::<String>();
+        assert!(!migration.contains("IGNORE_DUP_KEY"));
+    }
+}
