@@ -64,8 +64,14 @@ pub trait Bank: Sized + Send + Sync + 'static {
     /// The idem backend, connected to the same database.
     fn backend(&self) -> &Self::B;
 
-    /// Documented behaviour of the engine.
-    fn capabilities(&self) -> Capabilities;
+    /// The engine's documented behaviour: shown by `idem check`, and the source of the
+    /// engine's column in `docs/engines.md` when it was not run live.
+    const DOCUMENTED: Capabilities;
+
+    /// The behaviour of this connection (by default [`Bank::DOCUMENTED`]).
+    fn capabilities(&self) -> Capabilities {
+        Self::DOCUMENTED
+    }
 
     /// The server's version string, as the server reports it.
     fn server_version(&self) -> impl Future<Output = Result<String, DbError>> + Send;

@@ -6,7 +6,7 @@
 use std::collections::BTreeSet;
 use std::fmt::Write as _;
 
-use crate::harness::{CaseReport, Report};
+use crate::harness::{CaseReport, Report, capability_rows};
 
 /// The column order.
 pub const ENGINES: [(&str, &str); 5] = [
@@ -27,29 +27,9 @@ fn row(pairs: &[(&str, &str)]) -> Vec<(String, String)> {
 /// What the engine's documentation says, for engines not run live here.
 pub fn documented(engine: &str) -> Option<Report> {
     let (capabilities, observations) = match engine {
+        #[cfg(feature = "mssql")]
         "mssql" => (
-            row(&[
-                (
-                    "versions",
-                    "SQL Server 2019–2025: expected from documentation, not verified live here",
-                ),
-                (
-                    "claim",
-                    "plain `INSERT`, duplicate classified by 2627/2601, then a re-read; no `MERGE`, no `IGNORE_DUP_KEY`",
-                ),
-                (
-                    "key columns",
-                    "`varbinary(255)` (string comparison pads trailing spaces even under BIN2)",
-                ),
-                (
-                    "JSON storage",
-                    "`nvarchar(max)`, compared as values in Rust",
-                ),
-                (
-                    "retried with the same key",
-                    "1205 deadlock victim, 1222 lock timeout, 3960 snapshot conflict",
-                ),
-            ]),
+            capability_rows(&<crate::mssql::MssqlBank as crate::Bank>::DOCUMENTED),
             row(&[
                 (
                     "duplicate-key error code",
@@ -66,26 +46,9 @@ pub fn documented(engine: &str) -> Option<Report> {
                 ("record visible to others before commit", "no (same reason)"),
             ]),
         ),
+        #[cfg(feature = "oracle")]
         "oracle" => (
-            row(&[
-                (
-                    "versions",
-                    "Oracle Database 19c–23ai Free: expected from documentation, not verified live here",
-                ),
-                (
-                    "claim",
-                    "plain `INSERT`, duplicate classified by ORA-00001, then a re-read",
-                ),
-                (
-                    "key columns",
-                    "`RAW(255)`: byte comparison whatever NLS_COMP / NLS_SORT; empty keys refused before SQL ('' is NULL)",
-                ),
-                ("JSON storage", "`CLOB`, compared as values in Rust"),
-                (
-                    "retried with the same key",
-                    "ORA-08177 serialization failure, ORA-00060 deadlock",
-                ),
-            ]),
+            capability_rows(&<crate::oracle::OracleBank as crate::Bank>::DOCUMENTED),
             row(&[
                 ("duplicate-key error code", "ORA-00001, per documentation"),
                 (
@@ -243,6 +206,7 @@ mod tests {
     use super::*;
 
     #[test]
+    #[cfg(all(feature = "mssql", feature = "oracle"))]
     fn undocumented_engines_are_marked_not_live() {
         let md = engines_markdown(&[]);
         assert!(md.contains("| | SQL Server | Oracle |"), "{md}");

@@ -224,9 +224,14 @@ impl Bank for NoBank {
     fn backend(&self) -> &NeverBackend {
         match *self {}
     }
-    fn capabilities(&self) -> Capabilities {
-        match *self {}
-    }
+    const DOCUMENTED: Capabilities = Capabilities {
+        claim: "",
+        key_columns: "",
+        json_storage: "",
+        retried: "",
+        concurrent_sessions: false,
+        versions: "",
+    };
     async fn server_version(&self) -> Result<String, DbError> {
         match *self {}
     }

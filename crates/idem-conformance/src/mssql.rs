@@ -164,20 +164,18 @@ impl Bank for MssqlBank {
         &self.backend
     }
 
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            claim: "plain `INSERT` in READ COMMITTED, duplicate classified by 2627/2601 (waits for the \
+    const DOCUMENTED: Capabilities = Capabilities {
+        claim: "plain `INSERT` in READ COMMITTED, duplicate classified by 2627/2601 (waits for the \
                     holder of the key), then a separate re-read; no `MERGE`, no `IGNORE_DUP_KEY`; \
                     placeholder completed before `COMMIT`",
-            key_columns: "`varbinary(255)` bound as bytes (string comparison pads trailing spaces even \
+        key_columns: "`varbinary(255)` bound as bytes (string comparison pads trailing spaces even \
                           under BIN2; NUL refused before SQL)",
-            json_storage: "`nvarchar(max)` (kept verbatim; compared as values in Rust)",
-            retried: "1205 deadlock victim, 1222 lock timeout, 3960/3961 snapshot conflicts \
+        json_storage: "`nvarchar(max)` (kept verbatim; compared as values in Rust)",
+        retried: "1205 deadlock victim, 1222 lock timeout, 3960/3961 snapshot conflicts \
                       (SNAPSHOT: an invisible winner is retried as a transient conflict)",
-            concurrent_sessions: true,
-            versions: "SQL Server 2019–2025: expected from documentation, not verified live here",
-        }
-    }
+        concurrent_sessions: true,
+        versions: "SQL Server 2019–2025: expected from documentation, not verified live here",
+    };
 
     async fn server_version(&self) -> Result<String, DbError> {
         self.backend

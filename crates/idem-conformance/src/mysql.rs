@@ -137,16 +137,14 @@ impl Bank for MysqlBank {
         &self.backend
     }
 
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            claim: "plain `INSERT` classified by error 1062, then a locking re-read (`LOCK IN SHARE MODE`, REPEATABLE READ); placeholder completed before `COMMIT`",
-            key_columns: "`VARBINARY(255)` (byte equality; `utf8mb4_bin` would pad spaces)",
-            json_storage: "`LONGTEXT` `utf8mb4_bin`, stored verbatim (compared as values in Rust)",
-            retried: "1213 deadlock, 1205 lock wait timeout (3572 NOWAIT on MySQL)",
-            concurrent_sessions: true,
-            versions: "MariaDB 10.11 (tested live here); MySQL 8.4 written for, not tested live here",
-        }
-    }
+    const DOCUMENTED: Capabilities = Capabilities {
+        claim: "plain `INSERT` classified by error 1062, then a locking re-read (`LOCK IN SHARE MODE`, REPEATABLE READ); placeholder completed before `COMMIT`",
+        key_columns: "`VARBINARY(255)` (byte equality; `utf8mb4_bin` would pad spaces)",
+        json_storage: "`LONGTEXT` `utf8mb4_bin`, stored verbatim (compared as values in Rust)",
+        retried: "1213 deadlock, 1205 lock wait timeout (3572 NOWAIT on MySQL)",
+        concurrent_sessions: true,
+        versions: "MariaDB 10.11 (tested live here); MySQL 8.4 written for, not tested live here",
+    };
 
     async fn server_version(&self) -> Result<String, DbError> {
         let mut conn = self.backend.pool().get_conn().await.map_err(db_error)?;

@@ -98,16 +98,14 @@ impl Bank for PgBank {
         &self.backend
     }
 
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            claim: "`INSERT … ON CONFLICT DO NOTHING`, then a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT`",
-            key_columns: "`text COLLATE \"C\"` (byte order and equality)",
-            json_storage: "`jsonb` (reorders keys; compared as values in Rust)",
-            retried: "40001 serialization failure, 40P01 deadlock",
-            concurrent_sessions: true,
-            versions: "PostgreSQL 15 (tested live here); written for 15–18",
-        }
-    }
+    const DOCUMENTED: Capabilities = Capabilities {
+        claim: "`INSERT … ON CONFLICT DO NOTHING`, then a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT`",
+        key_columns: "`text COLLATE \"C\"` (byte order and equality)",
+        json_storage: "`jsonb` (reorders keys; compared as values in Rust)",
+        retried: "40001 serialization failure, 40P01 deadlock",
+        concurrent_sessions: true,
+        versions: "PostgreSQL 15 (tested live here); written for 15–18",
+    };
 
     async fn server_version(&self) -> Result<String, DbError> {
         let v: String =

@@ -87,14 +87,19 @@ impl Bank for SqliteBank {
         &self.backend
     }
 
+    const DOCUMENTED: Capabilities = Capabilities {
+        claim: "`BEGIN IMMEDIATE`, read the key, run the effect, write the record once (`INSERT … ON CONFLICT DO UPDATE` only replaces an expired record)",
+        key_columns: "`TEXT` (BINARY collation: byte for byte), `STRICT` table",
+        json_storage: "`TEXT` checked by `json_valid`",
+        retried: "`SQLITE_BUSY` after the 5 s busy timeout",
+        concurrent_sessions: true,
+        versions: "SQLite 3 (bundled by rusqlite 0.39)",
+    };
+
     fn capabilities(&self) -> Capabilities {
         Capabilities {
-            claim: "`BEGIN IMMEDIATE`, read the key, run the effect, write the record once (`INSERT … ON CONFLICT DO UPDATE` only replaces an expired record)",
-            key_columns: "`TEXT` (BINARY collation: byte for byte), `STRICT` table",
-            json_storage: "`TEXT` checked by `json_valid`",
-            retried: "`SQLITE_BUSY` after the 5 s busy timeout",
             concurrent_sessions: self.backend.location() != &Location::Memory,
-            versions: "SQLite 3 (bundled by rusqlite 0.39)",
+            ..Self::DOCUMENTED
         }
     }
 

@@ -48,7 +48,13 @@ impl Engine {
             "mysql" | "mariadb" => Self::Mysql,
             "mssql" | "sqlserver" => Self::Mssql,
             "oracle" => Self::Oracle,
-            _ if url.contains(';') && url.to_ascii_lowercase().contains("server=") => Self::Mssql,
+            _ if url.contains(';') && {
+                let lower = url.to_ascii_lowercase();
+                lower.contains("server=") || lower.contains("data source=")
+            } =>
+            {
+                Self::Mssql
+            }
             _ => {
                 return Err(DbError::new(
                     "idem",
@@ -94,15 +100,12 @@ pub fn redact(url: &str) -> String {
     {
         return format!("{scheme}://{user}:***@{host}");
     }
-    if url.to_ascii_lowercase().contains("password=") {
+    if url.contains(';') {
         return url
             .split(';')
             .map(|part| {
-                if part
-                    .trim_start()
-                    .to_ascii_lowercase()
-                    .starts_with("password=")
-                {
+                let key = part.trim_start().to_ascii_lowercase();
+                if key.starts_with("password=") || key.starts_with("pwd=") {
                     "Password=***"
                 } else {
                     part
@@ -221,6 +224,10 @@ mod tests {
             Engine::from_url("oracle://u:p@h/FREEPDB1").ok(),
             Some(Engine::Oracle)
         );
+        assert_eq!(
+            Engine::from_url("Data Source=tcp:h,1433;Pwd=x").ok(),
+            Some(Engine::Mssql)
+        );
         let err = Engine::from_url("redis://u:secret@h")
             .unwrap_err()
             .to_string();
@@ -238,5 +245,6 @@ mod tests {
             redact("Server=h;Password=pw;User Id=sa"),
             "Server=h;Password=***;User Id=sa"
         );
+        assert_eq!(redact("Data Source=h;Pwd=pw"), "Data Source=h;Password=***");
     }
 }
