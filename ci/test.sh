@@ -31,7 +31,8 @@ cargo build --workspace --all-targets --all-features --locked
 
 step "unit, snapshot, offline and doc tests (no database server)"
 cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql
-cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib --doc
+cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
+cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
 cargo test --locked -p idem-tests --all-features --test workflows
 
 for engine in sqlite postgres mysql mssql oracle; do
