@@ -26,6 +26,12 @@ cargo fmt --all --check
 step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
+step "each engine feature on its own (what a user picking one engine compiles)"
+cargo clippy --locked -p idem --no-default-features -- -D warnings
+for feature in sqlite postgres mysql mssql oracle; do
+  cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
+done
+
 step "build"
 cargo build --workspace --all-targets --all-features --locked
 

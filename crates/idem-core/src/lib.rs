@@ -9,8 +9,11 @@
 //!
 //! Engines implement the small [`Backend`] trait (`idem-sqlite`, `idem-postgres`,
 //! `idem-mysql`, `idem-mssql`, `idem-oracle`); the protocol itself lives here once.
+//! Backends on blocking drivers share the connection pool in [`blocking`], which runs
+//! every driver call on tokio's blocking pool.
 
 mod backend;
+pub mod blocking;
 mod error;
 mod ident;
 mod migrate;

@@ -78,9 +78,9 @@ mod sql;
 
 use std::error::Error as StdError;
 use std::fmt;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem_core::blocking::{BlockingPool, Lease, Manager};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
     Stored, Table,
@@ -88,7 +88,6 @@ use idem_core::{
 pub use oracle;
 use oracle::sql_type::OracleType;
 use oracle::{Connection, Connector};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error_codes::db_error;
 pub use options::{ConnectOptions, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, MAX_CONNECTIONS_LIMIT};
@@ -121,22 +120,50 @@ const ALREADY_EXISTS: &[i32] = &[
     error_codes::COLUMNS_ALREADY_INDEXED,
 ];
 
-struct Inner {
+/// What the pool needs to open connections, and Oracle's hooks for it: a connection is
+/// given back as it is when it has no open transaction, after a rollback (on the
+/// blocking pool) when it has one, and closed when its session is dead.
+struct Oracle {
     options: ConnectOptions,
-    idle: Mutex<Vec<Connection>>,
-    permits: Arc<Semaphore>,
+}
+
+impl Manager for Oracle {
+    type Connection = Connection;
+    const ENGINE: &'static str = ENGINE;
+
+    fn open(&self) -> Result<Connection, DbError> {
+        open_connection(&self.options)
+    }
+
+    fn in_transaction(&self, conn: &Connection) -> bool {
+        has_transaction(conn)
+    }
+
+    fn reusable(&self, conn: &Connection) -> bool {
+        is_healthy(conn)
+    }
+
+    fn reset(&self, conn: &Connection) -> bool {
+        conn.rollback().is_ok()
+    }
+
+    fn close(&self, conn: Connection) {
+        // ODPI-C rolls back any open transaction first. Should `close` fail, dropping
+        // `conn` closes it anyway.
+        let _ = conn.close();
+    }
 }
 
 /// An idem backend on an Oracle database, with a small pool of connections.
 #[derive(Clone)]
 pub struct OracleBackend {
-    inner: Arc<Inner>,
+    pool: BlockingPool<Oracle>,
 }
 
 impl fmt::Debug for OracleBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("OracleBackend")
-            .field("options", &self.inner.options)
+            .field("options", &self.pool.manager().options)
             .finish_non_exhaustive()
     }
 }
@@ -159,45 +186,22 @@ impl OracleBackend {
 
     /// A backend that opens its first connection on first use.
     fn unconnected(options: ConnectOptions) -> Self {
-        let permits = Arc::new(Semaphore::new(options.pool_size()));
+        let size = options.pool_size();
         Self {
-            inner: Arc::new(Inner {
-                options,
-                idle: Mutex::new(Vec::new()),
-                permits,
-            }),
+            pool: BlockingPool::new(Oracle { options }, size),
         }
     }
 
     /// The options this backend connects with.
     pub fn options(&self) -> &ConnectOptions {
-        &self.inner.options
+        &self.pool.manager().options
     }
 
     /// Closes the pool: waits until every leased connection has come back (an open
     /// [`OracleTx`] included), then closes the idle connections on the blocking pool.
     /// Later calls on this backend or its clones fail with "connection pool closed".
     pub async fn close(&self) {
-        let all = u32::try_from(self.inner.options.pool_size()).unwrap_or(u32::MAX);
-        let held = Arc::clone(&self.inner.permits)
-            .acquire_many_owned(all)
-            .await;
-        self.inner.permits.close();
-        let idle = self
-            .inner
-            .idle
-            .lock()
-            .map(|mut v| std::mem::take(&mut *v))
-            .unwrap_or_default();
-        if !idle.is_empty() {
-            let closing = tokio::task::spawn_blocking(move || {
-                for conn in idle {
-                    let _ = conn.close();
-                }
-            });
-            let _ = closing.await;
-        }
-        drop(held);
+        self.pool.close().await;
     }
 
     /// Runs `f` on a pooled connection, outside any idem transaction, on the blocking
@@ -212,33 +216,8 @@ impl OracleBackend {
         lease.run(move |c| f(c).map_err(db_error)).await
     }
 
-    async fn lease(&self) -> Result<Lease, DbError> {
-        let permit = Arc::clone(&self.inner.permits)
-            .acquire_owned()
-            .await
-            .map_err(|_| DbError::new(ENGINE, ErrorKind::Other, "connection pool closed"))?;
-        let idle = self.inner.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
-        let conn = match idle {
-            Some(conn) => conn,
-            None => {
-                let inner = Arc::clone(&self.inner);
-                tokio::task::spawn_blocking(move || open_connection(&inner.options))
-                    .await
-                    .map_err(|e| {
-                        DbError::new(
-                            ENGINE,
-                            ErrorKind::Other,
-                            format!("opening a connection failed: {e}"),
-                        )
-                    })??
-            }
-        };
-        Ok(Lease {
-            conn: Some(conn),
-            in_transaction: false,
-            permit: Some(permit),
-            inner: Arc::clone(&self.inner),
-        })
+    async fn lease(&self) -> Result<Lease<Oracle>, DbError> {
+        self.pool.lease().await
     }
 }
 
@@ -282,81 +261,9 @@ fn has_transaction(conn: &Connection) -> bool {
         .unwrap_or(true)
 }
 
-/// A pooled connection, given back on drop: as it is when it has no open transaction,
-/// after a rollback (on the blocking pool) when it has one, and closed when its session
-/// is dead.
-struct Lease {
-    conn: Option<Connection>,
-    in_transaction: bool,
-    permit: Option<OwnedSemaphorePermit>,
-    inner: Arc<Inner>,
-}
-
-impl Lease {
-    /// Moves the connection to the blocking pool, runs `f`, and takes it back.
-    ///
-    /// # Panics
-    ///
-    /// Re-raises a panic of `f`. The connection goes down with a panicking `f`, so a
-    /// later call on the same lease panics too; so does a call after the runtime
-    /// began shutting down (the blocking task was cancelled).
-    async fn run<T, F>(&mut self, f: F) -> T
-    where
-        F: FnOnce(&Connection) -> T + Send + 'static,
-        T: Send + 'static,
-    {
-        let conn = self
-            .conn
-            .take()
-            .expect("a lease holds its connection between calls");
-        match tokio::task::spawn_blocking(move || {
-            let out = f(&conn);
-            let open = has_transaction(&conn);
-            (conn, out, open)
-        })
-        .await
-        {
-            Ok((conn, out, open)) => {
-                self.conn = Some(conn);
-                self.in_transaction = open;
-                out
-            }
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(e) => panic!("blocking Oracle task was cancelled: {e}"),
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let Some(conn) = self.conn.take() else {
-            return;
-        };
-        let (inner, permit) = (Arc::clone(&self.inner), self.permit.take());
-        let give_back = move |conn: Connection, rollback: bool| {
-            let reusable = is_healthy(&conn) && (!rollback || conn.rollback().is_ok());
-            if reusable && let Ok(mut idle) = inner.idle.lock() {
-                idle.push(conn);
-            }
-            // Otherwise `conn` is dropped here: ODPI-C closes it, rolling back any
-            // transaction first.
-            drop(permit);
-        };
-        let rollback = self.in_transaction;
-        if !rollback && is_healthy(&conn) {
-            give_back(conn, false);
-        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            // A rollback or a close is a round trip: never on an async worker.
-            drop(rt.spawn_blocking(move || give_back(conn, rollback)));
-        } else {
-            give_back(conn, rollback);
-        }
-    }
-}
-
 /// The open transaction handed to effects.
 pub struct OracleTx {
-    lease: Lease,
+    lease: Lease<Oracle>,
 }
 
 impl fmt::Debug for OracleTx {

@@ -40,16 +40,15 @@ mod sql;
 use std::error::Error as StdError;
 use std::fmt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use idem_core::blocking::{BlockingPool, Lease, Manager};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
     Stored, Table,
 };
 pub use rusqlite;
 use rusqlite::{Connection, OptionalExtension, params};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 pub use error_codes::db_error;
 
@@ -103,24 +102,40 @@ impl Location {
     }
 }
 
-struct Inner {
+/// What the pool needs to open connections, and SQLite's hooks for it.
+struct Sqlite {
     location: Location,
-    idle: Mutex<Vec<Connection>>,
-    permits: Arc<Semaphore>,
     busy_timeout: Duration,
+}
+
+impl Manager for Sqlite {
+    type Connection = Connection;
+    const ENGINE: &'static str = ENGINE;
+
+    fn open(&self) -> Result<Connection, DbError> {
+        open_connection(&self.location, self.busy_timeout)
+    }
+
+    fn in_transaction(&self, conn: &Connection) -> bool {
+        !conn.is_autocommit()
+    }
+
+    // `reset` keeps its default: a connection left inside a transaction (a cancelled
+    // future) is closed, which rolls it back, instead of going back to the pool.
 }
 
 /// An idem backend on one SQLite database, with a small pool of connections.
 #[derive(Clone)]
 pub struct SqliteBackend {
-    inner: Arc<Inner>,
+    pool: BlockingPool<Sqlite>,
 }
 
 impl fmt::Debug for SqliteBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let manager = self.pool.manager();
         f.debug_struct("SqliteBackend")
-            .field("location", &self.inner.location)
-            .field("busy_timeout", &self.inner.busy_timeout)
+            .field("location", &manager.location)
+            .field("busy_timeout", &manager.busy_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -148,13 +163,12 @@ impl SqliteBackend {
         } else {
             max_connections.max(1)
         };
+        let manager = Sqlite {
+            location,
+            busy_timeout,
+        };
         let backend = Self {
-            inner: Arc::new(Inner {
-                location,
-                idle: Mutex::new(Vec::new()),
-                permits: Arc::new(Semaphore::new(max)),
-                busy_timeout,
-            }),
+            pool: BlockingPool::new(manager, max),
         };
         // Open one connection now so a bad path fails here, not on first use.
         backend.interact(|_| Ok(())).await?;
@@ -163,7 +177,7 @@ impl SqliteBackend {
 
     /// The database's location.
     pub fn location(&self) -> &Location {
-        &self.inner.location
+        &self.pool.manager().location
     }
 
     /// Runs `f` on a pooled connection, outside any idem transaction, on the blocking pool.
@@ -176,34 +190,8 @@ impl SqliteBackend {
         lease.run(move |c| f(c).map_err(db_error)).await
     }
 
-    async fn lease(&self) -> Result<Lease, DbError> {
-        let permit = Arc::clone(&self.inner.permits)
-            .acquire_owned()
-            .await
-            .map_err(|_| DbError::new(ENGINE, ErrorKind::Other, "connection pool closed"))?;
-        let idle = self.inner.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
-        let conn = match idle {
-            Some(conn) => conn,
-            None => {
-                let inner = Arc::clone(&self.inner);
-                tokio::task::spawn_blocking(move || {
-                    open_connection(&inner.location, inner.busy_timeout)
-                })
-                .await
-                .map_err(|e| {
-                    DbError::new(
-                        ENGINE,
-                        ErrorKind::Other,
-                        format!("opening a connection failed: {e}"),
-                    )
-                })??
-            }
-        };
-        Ok(Lease {
-            conn: Some(conn),
-            _permit: permit,
-            inner: Arc::clone(&self.inner),
-        })
+    async fn lease(&self) -> Result<Lease<Sqlite>, DbError> {
+        self.pool.lease().await
     }
 }
 
@@ -236,57 +224,9 @@ fn open_connection(location: &Location, busy_timeout: Duration) -> Result<Connec
     Ok(conn)
 }
 
-/// A pooled connection, given back on drop unless a transaction was left open.
-struct Lease {
-    conn: Option<Connection>,
-    _permit: OwnedSemaphorePermit,
-    inner: Arc<Inner>,
-}
-
-impl Lease {
-    /// Moves the connection to the blocking pool, runs `f`, and takes it back.
-    async fn run<T, F>(&mut self, f: F) -> T
-    where
-        F: FnOnce(&Connection) -> T + Send + 'static,
-        T: Send + 'static,
-    {
-        let conn = self
-            .conn
-            .take()
-            .expect("a lease holds its connection between calls");
-        match tokio::task::spawn_blocking(move || {
-            let out = f(&conn);
-            (conn, out)
-        })
-        .await
-        {
-            Ok((conn, out)) => {
-                self.conn = Some(conn);
-                out
-            }
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(e) => panic!("blocking SQLite task was cancelled: {e}"),
-        }
-    }
-}
-
-impl Drop for Lease {
-    fn drop(&mut self) {
-        if let Some(conn) = self.conn.take() {
-            // A connection left inside a transaction (a cancelled future) is closed,
-            // which rolls it back, instead of going back to the pool.
-            if conn.is_autocommit()
-                && let Ok(mut idle) = self.inner.idle.lock()
-            {
-                idle.push(conn);
-            }
-        }
-    }
-}
-
 /// The open `BEGIN IMMEDIATE` transaction handed to effects.
 pub struct SqliteTx {
-    lease: Lease,
+    lease: Lease<Sqlite>,
 }
 
 impl fmt::Debug for SqliteTx {
