@@ -3,7 +3,7 @@
 use std::str::FromStr;
 
 use idem::core::{BoxFuture, DbError, ErrorKind, Maintenance};
-use idem::postgres::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use idem::postgres::sqlx::postgres::{PgConnectOptions, PgPool};
 use idem::postgres::sqlx::{self, Row};
 use idem::postgres::{PgBackend, PgTx, db_error};
 
@@ -78,11 +78,8 @@ impl Bank for PgBank {
             ));
         }
         let options = PgConnectOptions::from_str(url).map_err(db_error)?;
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect_with(options.clone())
-            .await
-            .map_err(db_error)?;
+        // Connecting through the backend probes first: an unreachable server fails at once.
+        let admin = PgBackend::connect_with(options.clone(), 1).await?.pool().clone();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {ns}")))
             .execute(&admin)
             .await
