@@ -79,7 +79,10 @@ impl Bank for PgBank {
         }
         let options = PgConnectOptions::from_str(url).map_err(db_error)?;
         // Connecting through the backend probes first: an unreachable server fails at once.
-        let admin = PgBackend::connect_with(options.clone(), 1).await?.pool().clone();
+        let admin = PgBackend::connect_with(options.clone(), 1)
+            .await?
+            .pool()
+            .clone();
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE SCHEMA {ns}")))
             .execute(&admin)
             .await

@@ -179,8 +179,10 @@ impl<M: Manager> BlockingPool<M> {
             }
         };
         Ok(Lease {
-            conn: Some(conn),
-            in_transaction: false,
+            slot: Arc::new(tokio::sync::Mutex::new(Slot {
+                conn: Some(conn),
+                in_transaction: false,
+            })),
             permit: Some(permit),
             shared: Arc::clone(&self.shared),
         })
@@ -223,25 +225,39 @@ impl<M: Manager> BlockingPool<M> {
 /// [closed](Manager::close) on the blocking pool (inline outside a tokio runtime), and
 /// the slot stays taken until that is done.
 pub struct Lease<M: Manager> {
-    conn: Option<M::Connection>,
-    in_transaction: bool,
+    /// The connection, locked by whichever call is using it on the blocking pool. A
+    /// `run` whose future was dropped (a timeout around a statement) keeps the lock
+    /// until its statement ends and then puts the connection back, so the next call on
+    /// this lease (the protocol's rollback) waits for it instead of finding it gone.
+    slot: Arc<tokio::sync::Mutex<Slot<M::Connection>>>,
     permit: Option<OwnedSemaphorePermit>,
     shared: Arc<Shared<M>>,
 }
 
+struct Slot<C> {
+    /// `None` only after a panic of a closure took the connection down with it.
+    conn: Option<C>,
+    in_transaction: bool,
+}
+
 impl<M: Manager> fmt::Debug for Lease<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Lease")
-            .field("engine", &M::ENGINE)
-            .field("connected", &self.conn.is_some())
-            .field("in_transaction", &self.in_transaction)
-            .finish_non_exhaustive()
+        let mut d = f.debug_struct("Lease");
+        d.field("engine", &M::ENGINE);
+        match self.slot.try_lock() {
+            Ok(slot) => d
+                .field("connected", &slot.conn.is_some())
+                .field("in_transaction", &slot.in_transaction),
+            Err(_) => d.field("busy", &true),
+        };
+        d.finish_non_exhaustive()
     }
 }
 
 impl<M: Manager> Lease<M> {
-    /// Moves the connection to the blocking pool, runs `f`, and takes it back (noting
-    /// whether a transaction is left open, see [`Manager::in_transaction`]).
+    /// Runs `f` on the connection on the blocking pool (noting whether a transaction is
+    /// left open, see [`Manager::in_transaction`]). If an earlier call's future was
+    /// dropped while its statement ran, this waits for that statement to end first.
     ///
     /// # Panics
     ///
@@ -253,51 +269,80 @@ impl<M: Manager> Lease<M> {
         F: FnOnce(&M::Connection) -> T + Send + 'static,
         T: Send + 'static,
     {
-        let conn = self
-            .conn
-            .take()
-            .expect("a lease holds its connection between calls");
+        let mut slot = Arc::clone(&self.slot).lock_owned().await;
         let shared = Arc::clone(&self.shared);
-        match tokio::task::spawn_blocking(move || {
+        let ran = tokio::task::spawn_blocking(move || {
+            // Taken out while `f` runs: if `f` panics, the connection is dropped
+            // (closed, which rolls back) and the slot stays empty.
+            let conn = slot.conn.take()?;
             let out = f(&conn);
-            let open = shared.manager.in_transaction(&conn);
-            (conn, out, open)
+            slot.in_transaction = shared.manager.in_transaction(&conn);
+            slot.conn = Some(conn);
+            Some(out)
         })
-        .await
-        {
-            Ok((conn, out, open)) => {
-                self.conn = Some(conn);
-                self.in_transaction = open;
-                out
-            }
+        .await;
+        match ran {
+            Ok(Some(out)) => out,
+            Ok(None) => panic!(
+                "this {} connection was lost when an earlier closure on it panicked",
+                M::ENGINE
+            ),
             Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
             Err(e) => panic!("blocking {} task was cancelled: {e}", M::ENGINE),
         }
     }
 }
 
+/// Gives a connection back to the pool: straight to the idle list when it is clean and
+/// healthy, else reset or closed on the blocking pool (never on an async worker). The
+/// slot (`permit`) is freed only once the connection is back or closed.
+fn release<M: Manager>(
+    shared: Arc<Shared<M>>,
+    conn: M::Connection,
+    in_transaction: bool,
+    permit: Option<OwnedSemaphorePermit>,
+) {
+    if !in_transaction && shared.manager.reusable(&conn) {
+        shared.push_idle(conn);
+        drop(permit);
+        return;
+    }
+    let give_back = move || {
+        shared.give_back_blocking(conn, in_transaction);
+        drop(permit);
+    };
+    if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        drop(rt.spawn_blocking(give_back));
+    } else {
+        give_back();
+    }
+}
+
 impl<M: Manager> Drop for Lease<M> {
     fn drop(&mut self) {
-        let Some(conn) = self.conn.take() else {
-            return;
-        };
         let (shared, permit) = (Arc::clone(&self.shared), self.permit.take());
-        let in_transaction = self.in_transaction;
-        if !in_transaction && shared.manager.reusable(&conn) {
-            shared.push_idle(conn);
-            drop(permit);
-            return;
-        }
-        let give_back = move || {
-            shared.give_back_blocking(conn, in_transaction);
-            // The slot is free only once the connection is back or closed.
-            drop(permit);
-        };
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            // A rollback or a close is a round trip: never on an async worker.
-            drop(rt.spawn_blocking(give_back));
-        } else {
-            give_back();
+        match Arc::clone(&self.slot).try_lock_owned() {
+            Ok(mut slot) => match slot.conn.take() {
+                Some(conn) => release(shared, conn, slot.in_transaction, permit),
+                None => drop(permit),
+            },
+            // A dropped `run` is still using the connection: give it back when its
+            // statement ends.
+            Err(_) => match tokio::runtime::Handle::try_current() {
+                Ok(rt) => {
+                    let slot = Arc::clone(&self.slot);
+                    drop(rt.spawn(async move {
+                        let mut slot = slot.lock_owned().await;
+                        match slot.conn.take() {
+                            Some(conn) => release(shared, conn, slot.in_transaction, permit),
+                            None => drop(permit),
+                        }
+                    }));
+                }
+                // No runtime: the blocking task drops (closes) the connection when it
+                // ends, which rolls back.
+                Err(_) => drop(permit),
+            },
         }
     }
 }
@@ -452,6 +497,42 @@ mod tests {
         assert_eq!(which(&pool).await.0, 2);
         assert_eq!(stats.get(), (2, 0, 0, 0));
         assert_eq!(pool.max_size(), 4);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dropped_run_keeps_the_connection_for_the_next_call() {
+        let (pool, stats) = pool(1, true);
+        let mut lease = pool.lease().await.expect("lease");
+        // A caller times out a slow statement: its future is dropped mid-flight.
+        let slow = lease.run(|c| {
+            std::thread::sleep(Duration::from_millis(100));
+            c.id
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), slow)
+                .await
+                .is_err()
+        );
+        // The next call waits for that statement and gets the same connection.
+        assert_eq!(lease.run(|c| c.id).await, 1);
+        // Dropping a lease whose statement is still running gives the connection back
+        // once it ends.
+        let slow = lease.run(|c| {
+            std::thread::sleep(Duration::from_millis(100));
+            c.id
+        });
+        assert!(
+            tokio::time::timeout(Duration::from_millis(10), slow)
+                .await
+                .is_err()
+        );
+        drop(lease);
+        assert_eq!(
+            which(&pool).await,
+            (1, false),
+            "back in the pool, then reused"
+        );
+        assert_eq!(stats.get().0, 1, "no second connection was opened");
     }
 
     #[tokio::test]
