@@ -40,6 +40,7 @@ enum Command {
     /// Apply idem's migrations to the database.
     Migrate,
     /// Run the conformance cases against the database and print what held and what was seen.
+    /// Each case creates and drops a private namespace (schema, database, file or user).
     Check {
         /// Also write the report as JSON (input for `idem docs`).
         #[arg(long)]

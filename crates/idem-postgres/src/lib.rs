@@ -92,8 +92,11 @@ impl PgBackend {
     }
 }
 
+/// Retention and purge ages as seconds for `make_interval`, clamped to 1000 years so an
+/// absurd `Duration` cannot push `clock_timestamp() - interval` out of range.
 fn secs(d: Duration) -> f64 {
-    d.as_secs_f64()
+    const MAX_SECS: f64 = 1000.0 * 365.25 * 86_400.0;
+    d.as_secs_f64().min(MAX_SECS)
 }
 
 fn stored_request(row: &sqlx::postgres::PgRow) -> Result<Stored, DbError> {
@@ -349,5 +352,14 @@ impl Maintenance for PgBackend {
             .await
             .map(|r| r.rows_affected())
             .map_err(db_error)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn ages_are_clamped() {
+        assert_eq!(super::secs(std::time::Duration::from_millis(1500)), 1.5);
+        assert!(super::secs(std::time::Duration::MAX) < 4e10);
     }
 }
