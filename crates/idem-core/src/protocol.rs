@@ -534,8 +534,15 @@ impl<B: Maintenance> Idem<B> {
     }
 }
 
+/// Serializes the effect's response (or rejection) for storage. A value JSON cannot
+/// represent (a map with non-string keys, say) is the caller's input error.
 fn to_json<T: Serialize, E>(value: &T) -> Result<String, Step<E>> {
-    serde_json::to_string(value).map_err(|e| Step::Fail(Error::Decode(e)))
+    serde_json::to_string(value).map_err(|e| {
+        Step::Fail(Error::InvalidInput(crate::InvalidInput::new(
+            "response",
+            format!("cannot be stored as JSON: {e}"),
+        )))
+    })
 }
 
 fn parse_stored<E>(text: &str) -> Result<Request, Error<E>> {
