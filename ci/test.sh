@@ -32,6 +32,9 @@ for feature in sqlite postgres mysql mssql oracle; do
   cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
 done
 
+step "documentation (warnings denied)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked
+
 step "build"
 cargo build --workspace --all-targets --all-features --locked
 

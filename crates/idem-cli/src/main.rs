@@ -77,7 +77,7 @@ enum Command {
         /// A positive whole amount.
         #[arg(long, allow_negative_numbers = true)]
         amount: i64,
-        /// The authenticated principal (default: account-<ACCOUNT>).
+        /// The authenticated principal (default: `account-` followed by the account ID).
         #[arg(long)]
         principal: Option<String>,
     },
