@@ -141,18 +141,20 @@ pub enum AnyBackend {
 }
 
 macro_rules! each {
+    // Matches on the value (not the reference) so that a build with no engine feature,
+    // where `AnyBackend` has no variants, still compiles.
     ($self:expr, $b:ident => $body:expr) => {
-        match $self {
+        match *$self {
             #[cfg(feature = "sqlite")]
-            AnyBackend::Sqlite($b) => $body,
+            AnyBackend::Sqlite(ref $b) => $body,
             #[cfg(feature = "postgres")]
-            AnyBackend::Postgres($b) => $body,
+            AnyBackend::Postgres(ref $b) => $body,
             #[cfg(feature = "mysql")]
-            AnyBackend::Mysql($b) => $body,
+            AnyBackend::Mysql(ref $b) => $body,
             #[cfg(feature = "mssql")]
-            AnyBackend::Mssql($b) => $body,
+            AnyBackend::Mssql(ref $b) => $body,
             #[cfg(feature = "oracle")]
-            AnyBackend::Oracle($b) => $body,
+            AnyBackend::Oracle(ref $b) => $body,
         }
     };
 }
@@ -193,6 +195,16 @@ impl AnyBackend {
     }
 
     /// Deletes records older than `older_than` in batches of `batch`.
+    #[cfg_attr(
+        not(any(
+            feature = "sqlite",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "mssql",
+            feature = "oracle"
+        )),
+        allow(unused_variables)
+    )]
     pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
         each!(self, b => Idem::new(b.clone()).purge(older_than, batch).await)
     }
