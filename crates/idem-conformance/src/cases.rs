@@ -688,7 +688,7 @@ pub async fn canonical_request_and_response<K: Bank>(bank: Arc<K>) -> CaseResult
 pub async fn expired_record_no_longer_replays<K: Bank>(bank: Arc<K>) -> CaseResult {
     bank.set_balance(1, 1000).await?;
     let idem = idem(&*bank);
-    let op = Operation::new("debit", 1)?.with_retention(Duration::from_millis(400));
+    let op = Operation::new("debit", 1)?.with_retention(Duration::from_millis(1500));
     let scope = Scope::new(Principal::new("account-1")?, op);
     let runs = counter();
     executed(
@@ -701,7 +701,7 @@ pub async fn expired_record_no_longer_replays<K: Bank>(bank: Arc<K>) -> CaseResu
         debit::<K>(&idem, &scope, "checkout-42", 1, 100, &runs).await?,
         900,
     )?;
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    tokio::time::sleep(Duration::from_millis(2000)).await;
     executed(
         "after the window",
         debit::<K>(&idem, &scope, "checkout-42", 1, 100, &runs).await?,
@@ -734,13 +734,13 @@ pub async fn purge_deletes_only_expired_in_batches<K: Bank>(bank: Arc<K>) -> Cas
             .await
             .map_err(|e| fail(e.to_string()))?;
     }
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(2000)).await;
     executed(
         "fresh",
         debit::<K>(&idem, &scope, "fresh", 1, 1, &runs).await?,
         100_000 - 26 + 3,
     )?;
-    let report = idem.purge(Duration::from_millis(500), 10).await?;
+    let report = idem.purge(Duration::from_millis(1500), 10).await?;
     expect_eq("requests purged", report.requests, 25)?;
     expect_eq("messages purged", report.messages, 3)?;
     if report.batches < 4 {

@@ -505,7 +505,7 @@ mod tests {
         let mut lease = pool.lease().await.expect("lease");
         // A caller times out a slow statement: its future is dropped mid-flight.
         let slow = lease.run(|c| {
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(500));
             c.id
         });
         assert!(
@@ -518,7 +518,7 @@ mod tests {
         // Dropping a lease whose statement is still running gives the connection back
         // once it ends.
         let slow = lease.run(|c| {
-            std::thread::sleep(Duration::from_millis(100));
+            std::thread::sleep(Duration::from_millis(500));
             c.id
         });
         assert!(

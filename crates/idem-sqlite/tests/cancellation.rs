@@ -37,7 +37,7 @@ async fn a_timed_out_statement_in_an_effect_rolls_back_cleanly() {
             Box::pin(async move {
                 let slow = tx.run(|c| {
                     c.execute("INSERT INTO t VALUES (1)", []).unwrap();
-                    std::thread::sleep(Duration::from_millis(300));
+                    std::thread::sleep(Duration::from_millis(1000));
                 });
                 tokio::time::timeout(Duration::from_millis(20), slow)
                     .await
