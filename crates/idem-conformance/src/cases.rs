@@ -241,6 +241,7 @@ pub async fn effect_commits_with_record<K: Bank>(bank: Arc<K>) -> CaseResult {
                     },
                     request: None,
                     retention: Duration::from_secs(3600),
+                    wait: Duration::from_secs(1),
                 };
                 let record = match tokio::time::timeout(wait, bank.backend().lookup(&claim)).await {
                     Ok(Ok(None)) => "no (invisible until commit)".to_owned(),

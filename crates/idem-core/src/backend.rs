@@ -36,6 +36,10 @@ pub struct Claim<'a> {
     /// Records older than this (by the database clock) are expired: they no longer
     /// replay, and a claim replaces them.
     pub retention: Duration,
+    /// How long a claim may wait for a concurrent holder of the same identity (an
+    /// unfinished transaction that claimed it first). When it elapses, the backend
+    /// answers [`Claimed::InFlight`] instead of waiting on; it never hangs.
+    pub wait: Duration,
 }
 
 /// How a stored response ended.
@@ -89,6 +93,9 @@ pub enum Claimed<Tx> {
     Won(Tx),
     /// A committed, live record exists; the backend has already ended its transaction.
     Found(Stored),
+    /// Another transaction holds the identity and did not finish within
+    /// [`Claim::wait`]; the backend has already ended its transaction.
+    InFlight,
 }
 
 /// How to end a won transaction.

@@ -192,6 +192,13 @@ pub enum Error<E> {
     /// The effect failed; its work and the record were rolled back, so the key can be
     /// retried.
     Effect(E),
+    /// Another call with the same key (or message ID) is still running and did not
+    /// finish within the wait bound ([`crate::Idem::with_wait_timeout`]). Nothing ran
+    /// in this call; retry later with the same key (HTTP 409 with `Retry-After`).
+    InProgress {
+        /// How long this call waited for the other one.
+        waited: std::time::Duration,
+    },
     /// A stored final rejection was replayed by a call that expects successes only
     /// (the operation stored it with [`crate::Idem::execute_final`]).
     StoredRejection(Value),
@@ -245,6 +252,11 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 "message ID reused with a different payload (stored {stored}, supplied {supplied})"
             ),
             Self::Effect(e) => write!(f, "{e}"),
+            Self::InProgress { waited } => write!(
+                f,
+                "a request with this key is still in progress (waited {} ms); retry later with the same key",
+                waited.as_millis()
+            ),
             Self::StoredRejection(v) => write!(f, "the stored response is a final rejection: {v}"),
             Self::RetriesExhausted { attempts, last } => {
                 write!(f, "gave up after {attempts} attempts: {last}")

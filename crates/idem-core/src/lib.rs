@@ -26,6 +26,6 @@ pub use ident::{
     DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber,
 };
 pub use migrate::Migration;
-pub use protocol::{BoxFuture, Consumed, Idem, Outcome, PurgeReport, RetryPolicy};
+pub use protocol::{BoxFuture, Consumed, DEFAULT_WAIT, Idem, Outcome, PurgeReport, RetryPolicy};
 pub use request::Request;
 pub use serde_json;

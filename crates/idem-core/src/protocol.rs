@@ -154,7 +154,12 @@ pub struct Idem<B> {
     retry: RetryPolicy,
     message_retention: Duration,
     fast_path: bool,
+    wait: Duration,
 }
+
+/// The default bound on how long a call waits for a concurrent call with the same key
+/// before it answers [`Error::InProgress`].
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(5);
 
 impl<B: fmt::Debug> fmt::Debug for Idem<B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -163,6 +168,7 @@ impl<B: fmt::Debug> fmt::Debug for Idem<B> {
             .field("retry", &self.retry)
             .field("message_retention", &self.message_retention)
             .field("fast_path", &self.fast_path)
+            .field("wait", &self.wait)
             .finish()
     }
 }
@@ -184,7 +190,18 @@ impl<B: Backend> Idem<B> {
             retry: RetryPolicy::default(),
             message_retention: DEFAULT_RETENTION,
             fast_path: true,
+            wait: DEFAULT_WAIT,
         }
+    }
+
+    /// Bounds how long a call waits for a concurrent call with the same key (or message
+    /// ID) that claimed it first (default [`DEFAULT_WAIT`]). When it elapses the call
+    /// ends with [`Error::InProgress`], which is not retried: the client retries later
+    /// with the same key. Each engine enforces it with its own lock-wait mechanism.
+    #[must_use]
+    pub fn with_wait_timeout(mut self, wait: Duration) -> Self {
+        self.wait = wait;
+        self
     }
 
     /// Sets the retry policy for busy databases, deadlocks and serialization failures.
@@ -298,6 +315,7 @@ impl<B: Backend> Idem<B> {
             },
             request: text.as_deref(),
             retention: self.message_retention,
+            wait: self.wait,
         };
         let mut attempt = 0;
         loop {
@@ -316,6 +334,9 @@ impl<B: Backend> Idem<B> {
                             }
                         }
                         return Ok(Consumed::Duplicate);
+                    }
+                    Claimed::InFlight => {
+                        return Err(Step::Fail(Error::InProgress { waited: self.wait }));
                     }
                     Claimed::Won(tx) => tx,
                 };
@@ -358,6 +379,7 @@ impl<B: Backend> Idem<B> {
             id: Identity::Request { scope, key },
             request: Some(&text),
             retention: scope.operation.retention(),
+            wait: self.wait,
         };
         let mut attempt = 0;
         if self.fast_path {
@@ -377,6 +399,9 @@ impl<B: Backend> Idem<B> {
             let step = async {
                 let tx = match self.backend.claim(&claim).await? {
                     Claimed::Found(stored) => return replay(&stored, request).map_err(Step::Fail),
+                    Claimed::InFlight => {
+                        return Err(Step::Fail(Error::InProgress { waited: self.wait }));
+                    }
                     Claimed::Won(tx) => tx,
                 };
                 // A rejection the effect returned earlier is stored on its own, without
