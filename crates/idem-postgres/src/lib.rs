@@ -293,9 +293,21 @@ impl Backend for PgBackend {
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        // The driver's error, or the database error inside it: an effect error that wraps
+        // sqlx's with `#[error(transparent)]` exposes only the latter as its source.
+        if let Some(e) = error.downcast_ref::<sqlx::Error>() {
+            return Some(error_codes::classify(e));
+        }
+        // sqlx's `Error::Database` gives its boxed database error as its source.
+        if let Some(e) = error.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>() {
+            return Some(
+                e.code()
+                    .map_or(ErrorKind::Other, |c| error_codes::kind_of(&c)),
+            );
+        }
         error
-            .downcast_ref::<sqlx::Error>()
-            .map(error_codes::classify)
+            .downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .map(|e| error_codes::kind_of(e.code()))
     }
 }
 
