@@ -385,6 +385,25 @@ async fn exact_floats_and_refusals<K: Bank>(
             other => return Err(format!("{what}: expected InvalidInput, got {other:?}").into()),
         }
     }
+    // A zero (or sub-second) retention would let a retry moments later run the effect again.
+    let short = Scope::new(
+        Principal::new("hostile")?,
+        Operation::new("json", 1)?.with_retention(std::time::Duration::ZERO),
+    );
+    match idem
+        .execute(
+            &short,
+            &Key::new("zero-retention")?,
+            &Request::new(json!({})),
+            |_tx| Box::pin(async { Ok::<_, BankError>(0) }),
+        )
+        .await
+    {
+        Err(Error::InvalidInput(e)) if e.what() == "operation retention" => {}
+        other => {
+            return Err(format!("zero retention: expected InvalidInput, got {other:?}").into());
+        }
+    }
     if Request::parse(r#"{"amount":1,"amount":2}"#).is_ok() {
         return Err("duplicate object keys were accepted".into());
     }
