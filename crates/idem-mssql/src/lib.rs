@@ -22,8 +22,8 @@
 //!   statement sees the committed winner (locking reads wait for any transaction that
 //!   holds the row; with `READ_COMMITTED_SNAPSHOT ON` the statement's snapshot starts
 //!   after the INSERT's wait ended). A live row is returned as
-//!   [`Claimed::Found`] after a rollback; an expired row (older than the retention, by
-//!   `SYSUTCDATETIME()`) is taken over by an `UPDATE … WHERE created_at < cutoff`, whose
+//!   [`Claimed::Found`] after a rollback; an expired row (`expires_at` passed, by
+//!   `SYSUTCDATETIME()`) is taken over by an `UPDATE … WHERE expires_at <= now`, whose
 //!   predicate is re-checked on the row's current version once its lock is granted, so
 //!   two takers cannot both win (the second updates no row and claims again).
 //!
@@ -38,6 +38,37 @@
 //! other. Bare `MERGE` without `HOLDLOCK` is documented to race (two sessions both see
 //! "not matched"); `IGNORE_DUP_KEY` turns the duplicate into a warning and silently
 //! drops the row. Neither is used.
+//!
+//! # Bounded waits and `@@TRANCOUNT`
+//!
+//! The claim's first batch is `SET LOCK_TIMEOUT <ms>` ([`Claim::wait`], whole
+//! milliseconds rounded up, at least 1), the isolation level, `SELECT @@TRANCOUNT` and
+//! `BEGIN TRANSACTION`. A claim still waiting for a concurrent holder of the same
+//! identity when the bound elapses gets **1222**; the backend rolls back, resets
+//! `SET LOCK_TIMEOUT -1` (the session default) and answers [`Claimed::InFlight`]
+//! (idem's `Error::InProgress`, not retried). A won claim resets the timeout before the
+//! effect runs, so the effect's own statements are not bounded by it.
+//!
+//! `@@TRANCOUNT` must be 0 before `BEGIN`: a pooled session left inside a transaction
+//! (by `interact`, `SET IMPLICIT_TRANSACTIONS ON`, or a procedure that leaves an extra
+//! `BEGIN`) would turn idem's `COMMIT` into a mere decrement. Such a session is rolled
+//! back and discarded, and the call fails (non-retried) before anything runs. The commit
+//! is `IF @@TRANCOUNT = 1 COMMIT`: any other count (0: the effect ended the transaction;
+//! 2+: it left a nested `BEGIN` open) commits nothing, rolls back, discards the session
+//! and fails instead of reporting `Executed`.
+//!
+//! # Retention in the row
+//!
+//! Each record's `expires_at` is set at the claim (`SYSUTCDATETIME()` + the operation's
+//! retention, the same reading as `created_at`); lookups and claims read it, and
+//! `purge_batch(table, older_than, limit)` deletes records that are expired **and**
+//! claimed at least `older_than` ago. The completion (and, for messages, a check before
+//! `COMMIT`) refuses a record that expired while the effect ran: rolled back, with a
+//! non-retried error saying the retention is shorter than the effect. Migration 0002
+//! adds the column (backfilled as `created_at + 24 hours`). Replay lookups run
+//! `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` in their own `sp_executesql` call,
+//! so a session at READ UNCOMMITTED never replays an uncommitted winner. JSON stays
+//! `nvarchar(max)`, which keeps the text verbatim (UTF-16, no normalization).
 //!
 //! # Isolation levels
 //!
