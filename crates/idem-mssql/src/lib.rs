@@ -317,7 +317,10 @@ impl<'a> Ids<'a> {
 /// rounded up, at least 1: 0 would mean "never wait"), then the isolation level and
 /// `BEGIN`, returning `@@TRANCOUNT` from before `BEGIN`.
 pub(crate) fn begin_batch(isolation: Isolation, wait: Duration) -> String {
-    let ms = wait.as_nanos().div_ceil(1_000_000).clamp(1, i32::MAX as u128);
+    let ms = wait
+        .as_nanos()
+        .div_ceil(1_000_000)
+        .clamp(1, i32::MAX as u128);
     format!("{}{ms}; {}", sql::SET_LOCK_TIMEOUT, isolation.begin_sql())
 }
 
@@ -852,7 +855,10 @@ mod tests {
         let batch = begin_batch(Isolation::ReadCommitted, Duration::from_millis(500));
         insta::assert_snapshot!(batch, @"SET LOCK_TIMEOUT 500; SET XACT_ABORT OFF; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; SELECT @@TRANCOUNT AS trancount; BEGIN TRANSACTION");
         // 0 would mean "do not wait at all"; partial milliseconds round up.
-        assert!(begin_batch(Isolation::ReadCommitted, Duration::ZERO).starts_with("SET LOCK_TIMEOUT 1;"));
+        assert!(
+            begin_batch(Isolation::ReadCommitted, Duration::ZERO)
+                .starts_with("SET LOCK_TIMEOUT 1;")
+        );
         assert!(
             begin_batch(Isolation::Snapshot, Duration::from_micros(1500))
                 .starts_with("SET LOCK_TIMEOUT 2;")
@@ -868,7 +874,10 @@ mod tests {
     fn migration_0002_adds_expires_at() {
         let statements = MIGRATIONS[1].statements();
         assert_eq!(statements.len(), 6);
-        assert!(statements[0].starts_with("IF COL_LENGTH(N'idem_request_result', N'expires_at') IS NULL"));
+        assert!(
+            statements[0]
+                .starts_with("IF COL_LENGTH(N'idem_request_result', N'expires_at') IS NULL")
+        );
         assert!(statements[1].contains("DATEADD(hour, 24, created_at)"));
         assert!(statements[4].contains("DATEADD(hour, 24, processed_at)"));
     }

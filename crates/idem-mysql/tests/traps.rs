@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // test setup: fail loudly
 
+#[allow(dead_code)] // shared helpers: this file does not use every one
 mod common;
 
 use std::sync::Arc;

@@ -430,27 +430,19 @@ fn lookup_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Store
             principal,
             operation,
             key,
-        } => first_row(
-            conn,
-            sql::LOOKUP_REQUEST,
-            &[principal, operation, key],
-        )
-        .map_err(db_error)?
-        .as_ref()
-        .map(request_row)
-        .transpose(),
+        } => first_row(conn, sql::LOOKUP_REQUEST, &[principal, operation, key])
+            .map_err(db_error)?
+            .as_ref()
+            .map(request_row)
+            .transpose(),
         IdOwned::Message {
             subscriber,
             message_id,
-        } => first_row(
-            conn,
-            sql::LOOKUP_MESSAGE,
-            &[subscriber, message_id],
-        )
-        .map_err(db_error)?
-        .as_ref()
-        .map(message_row)
-        .transpose(),
+        } => first_row(conn, sql::LOOKUP_MESSAGE, &[subscriber, message_id])
+            .map_err(db_error)?
+            .as_ref()
+            .map(message_row)
+            .transpose(),
     }
 }
 
@@ -514,22 +506,14 @@ fn reread_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Existing, Db
             operation,
             key,
         } => (
-            first_row(
-                conn,
-                sql::SELECT_REQUEST,
-                &[principal, operation, key],
-            ),
+            first_row(conn, sql::SELECT_REQUEST, &[principal, operation, key]),
             request_row,
         ),
         IdOwned::Message {
             subscriber,
             message_id,
         } => (
-            first_row(
-                conn,
-                sql::SELECT_MESSAGE,
-                &[subscriber, message_id],
-            ),
+            first_row(conn, sql::SELECT_MESSAGE, &[subscriber, message_id]),
             message_row,
         ),
     };

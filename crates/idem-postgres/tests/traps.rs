@@ -7,8 +7,8 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use idem_core::{
-    Error, ErrorKind, Idem, Key, Maintenance, Operation, Outcome, Principal, Request,
-    RetryPolicy, Scope,
+    Error, ErrorKind, Idem, Key, Maintenance, Operation, Outcome, Principal, Request, RetryPolicy,
+    Scope,
 };
 use idem_postgres::sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use idem_postgres::{PgBackend, sqlx};
@@ -177,9 +177,10 @@ async fn the_claims_lock_timeout_does_not_bound_the_effect() {
             &Request::new(serde_json::json!({"n": 1})),
             |tx| {
                 Box::pin(async move {
-                    let n: i32 = sqlx::query_scalar("UPDATE t SET n = n + 1 WHERE id = 1 RETURNING n")
-                        .fetch_one(&mut **tx)
-                        .await?;
+                    let n: i32 =
+                        sqlx::query_scalar("UPDATE t SET n = n + 1 WHERE id = 1 RETURNING n")
+                            .fetch_one(&mut **tx)
+                            .await?;
                     Ok::<_, sqlx::Error>(n)
                 })
             },

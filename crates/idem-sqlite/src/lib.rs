@@ -63,9 +63,9 @@
 pub mod error_codes;
 mod sql;
 
+use std::collections::HashSet;
 use std::error::Error as StdError;
 use std::fmt;
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -257,7 +257,8 @@ impl Drop for InFlightGuard {
 
 fn lock(set: &InFlight) -> std::sync::MutexGuard<'_, HashSet<IdOwned>> {
     // The set holds plain data: a panic while it was locked cannot break it.
-    set.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    set.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// An idem backend on one SQLite database, with a small pool of connections.
@@ -654,8 +655,7 @@ impl Backend for SqliteBackend {
                     *self
                         .holder
                         .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) =
-                        tokio::task::try_id();
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
                 }
                 Ok(Claimed::Won(SqliteTx {
                     lease,

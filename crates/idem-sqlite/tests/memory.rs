@@ -74,7 +74,10 @@ mod rusqlite_error {
 async fn a_cancelled_call_keeps_the_memory_database() {
     let (backend, idem) = memory().await;
     let (scope, request) = (scope(), request());
-    let (key, key2) = (Key::new("cancelled").unwrap(), Key::new("cancelled-2").unwrap());
+    let (key, key2) = (
+        Key::new("cancelled").unwrap(),
+        Key::new("cancelled-2").unwrap(),
+    );
     let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
     let mut started = Some(started_tx);
     let call = idem.execute(&scope, &key, &request, |tx| {
@@ -138,7 +141,10 @@ async fn a_panicking_effect_keeps_the_memory_database() {
                 .await
         });
         let joined = tokio::time::timeout(HANG_GUARD, task).await.unwrap();
-        assert!(joined.unwrap_err().is_panic(), "{key}: the panic propagates");
+        assert!(
+            joined.unwrap_err().is_panic(),
+            "{key}: the panic propagates"
+        );
         assert_intact(&backend, &idem).await;
     }
 }
@@ -148,14 +154,19 @@ async fn interact_inside_an_effect_is_refused_not_a_deadlock() {
     let (backend, idem) = memory().await;
     let inner = backend.clone();
     let task = tokio::spawn(async move {
-        idem.execute(&scope(), &Key::new("nested").unwrap(), &request(), move |_tx| {
-            let inner = inner.clone();
-            Box::pin(async move {
-                inner
-                    .interact(|c| c.query_row("SELECT 1", [], |r| r.get::<_, i64>(0)))
-                    .await
-            })
-        })
+        idem.execute(
+            &scope(),
+            &Key::new("nested").unwrap(),
+            &request(),
+            move |_tx| {
+                let inner = inner.clone();
+                Box::pin(async move {
+                    inner
+                        .interact(|c| c.query_row("SELECT 1", [], |r| r.get::<_, i64>(0)))
+                        .await
+                })
+            },
+        )
         .await
     });
     let out = tokio::time::timeout(HANG_GUARD, task)
@@ -239,10 +250,15 @@ async fn json_text_is_stored_byte_for_byte() {
     });
     let request = Request::new(value.clone());
     let response = value.clone();
-    idem.execute(&scope(), &Key::new("exact").unwrap(), &request, move |_tx| {
-        let response = response.clone();
-        Box::pin(async move { Ok::<_, DbError>(response) })
-    })
+    idem.execute(
+        &scope(),
+        &Key::new("exact").unwrap(),
+        &request,
+        move |_tx| {
+            let response = response.clone();
+            Box::pin(async move { Ok::<_, DbError>(response) })
+        },
+    )
     .await
     .unwrap();
     let (stored_request, stored_response): (String, String) = backend
