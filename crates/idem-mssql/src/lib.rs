@@ -66,8 +66,10 @@
 //! `COMMIT`) refuses a record that expired while the effect ran: rolled back, with a
 //! non-retried error saying the retention is shorter than the effect. Migration 0002
 //! adds the column (backfilled as `created_at + 24 hours`). Replay lookups run
-//! `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` in their own `sp_executesql` call,
-//! so a session at READ UNCOMMITTED never replays an uncommitted winner. JSON stays
+//! `SET LOCK_TIMEOUT <wait>; SET TRANSACTION ISOLATION LEVEL READ COMMITTED` in their own
+//! `sp_executesql` call (both revert when the call ends), so a session at READ
+//! UNCOMMITTED never replays an uncommitted winner, and a locking read that waits for
+//! one ends after the bound (1222: no record yet; the claim then answers). JSON stays
 //! `nvarchar(max)`, which keeps the text verbatim (UTF-16, no normalization).
 //!
 //! # Isolation levels
@@ -317,11 +319,20 @@ impl<'a> Ids<'a> {
 /// rounded up, at least 1: 0 would mean "never wait"), then the isolation level and
 /// `BEGIN`, returning `@@TRANCOUNT` from before `BEGIN`.
 pub(crate) fn begin_batch(isolation: Isolation, wait: Duration) -> String {
-    let ms = wait
-        .as_nanos()
+    format!(
+        "{}{}; {}",
+        sql::SET_LOCK_TIMEOUT,
+        lock_timeout_ms(wait),
+        isolation.begin_sql()
+    )
+}
+
+/// A wait bound as `SET LOCK_TIMEOUT` takes it: whole milliseconds, rounded up, at
+/// least 1 (0 would mean "never wait"), at most `i32::MAX`.
+pub(crate) fn lock_timeout_ms(wait: Duration) -> u128 {
+    wait.as_nanos()
         .div_ceil(1_000_000)
-        .clamp(1, i32::MAX as u128);
-    format!("{}{ms}; {}", sql::SET_LOCK_TIMEOUT, isolation.begin_sql())
+        .clamp(1, i32::MAX as u128)
 }
 
 /// The error of a completion that found no unfinished, unexpired record.
@@ -517,29 +528,37 @@ impl Backend for MssqlBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let mut lease = self.pool.acquire().await?;
-        let lookup = |e| db_error_in("looking up the record", e);
-        match Ids::of(claim) {
+        let bound = format!("{}{}; ", sql::SET_LOCK_TIMEOUT, lock_timeout_ms(claim.wait));
+        let row = match Ids::of(claim) {
             Ids::Request {
                 principal,
                 operation,
                 key,
             } => {
-                let row = lease
-                    .query_row(sql::LOOKUP_REQUEST, &[&principal, &operation, &key])
+                let statement = format!("{bound}{}", sql::LOOKUP_REQUEST);
+                lease
+                    .query_row(&statement, &[&principal, &operation, &key])
                     .await
-                    .map_err(lookup)?;
-                row.as_ref().map(stored_request).transpose()
+                    .map(|row| row.as_ref().map(stored_request).transpose())
             }
             Ids::Message {
                 subscriber,
                 message_id,
             } => {
-                let row = lease
-                    .query_row(sql::LOOKUP_MESSAGE, &[&subscriber, &message_id])
+                let statement = format!("{bound}{}", sql::LOOKUP_MESSAGE);
+                lease
+                    .query_row(&statement, &[&subscriber, &message_id])
                     .await
-                    .map_err(lookup)?;
-                row.as_ref().map(stored_message).transpose()
+                    .map(|row| row.as_ref().map(stored_message).transpose())
             }
+        };
+        match row {
+            Ok(stored) => stored,
+            // A locking read (no READ_COMMITTED_SNAPSHOT) still waiting for an
+            // uncommitted winner past the bound: nothing committed to replay yet; the
+            // claim answers instead, bounded too.
+            Err(e) if e.code() == Some(1222) => Ok(None),
+            Err(e) => Err(db_error_in("looking up the record", e)),
         }
     }
 

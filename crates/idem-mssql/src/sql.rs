@@ -132,8 +132,9 @@ pub(crate) const EXPIRED_REQUEST: &str = concat!(
     request_pk!()
 );
 /// The replay fast path (autocommit), pinned to READ COMMITTED whatever the session's
-/// level (READ UNCOMMITTED would replay an uncommitted winner). Inside
-/// `sp_executesql` the SETs last for this call only.
+/// level (READ UNCOMMITTED would replay an uncommitted winner). The backend puts
+/// `SET LOCK_TIMEOUT <wait>; ` in front (a locking read waits for an uncommitted
+/// winner). Inside `sp_executesql` the SETs last for this call only.
 pub(crate) const LOOKUP_REQUEST: &str = concat!(
     "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
     "SELECT request, response, status FROM idem_request_result WHERE ",
