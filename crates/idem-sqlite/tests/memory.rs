@@ -274,3 +274,78 @@ async fn json_text_is_stored_byte_for_byte() {
     assert_eq!(stored_request, request.to_json(), "the request's text");
     assert_eq!(stored_response, serde_json::to_string(&value).unwrap());
 }
+
+/// SQLite has one writer: a claim of another key that waits past its bound while a
+/// transaction holds the write lock is busy (retried), not in flight. Only the same
+/// identity, known to be claimed by this backend, answers InProgress.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_same_identity_is_in_flight() {
+    let dir = std::env::temp_dir().join(format!("idem-inflight-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let backend = SqliteBackend::open(Location::File(dir.join("f.db")))
+        .await
+        .unwrap();
+    let idem = Idem::new(backend.clone());
+    idem.migrate().await.unwrap();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let mut signals = Some((started_tx, release_rx));
+    let winner = {
+        let idem = idem.clone();
+        tokio::spawn(async move {
+            idem.execute(
+                &scope(),
+                &Key::new("held").unwrap(),
+                &request(),
+                move |_tx| {
+                    let signals = signals.take();
+                    Box::pin(async move {
+                        if let Some((started, release)) = signals {
+                            let _ = started.send(());
+                            let _ = tokio::time::timeout(HANG_GUARD, release).await;
+                        }
+                        Ok::<_, DbError>(1)
+                    })
+                },
+            )
+            .await
+        })
+    };
+    tokio::time::timeout(HANG_GUARD, started_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    let short = idem
+        .clone()
+        .with_wait_timeout(Duration::from_millis(200))
+        .with_retry(idem_core::RetryPolicy {
+            max_attempts: 1,
+            ..idem_core::RetryPolicy::default()
+        });
+    let same = short
+        .execute(&scope(), &Key::new("held").unwrap(), &request(), |_tx| {
+            Box::pin(async { Ok::<_, DbError>(2) })
+        })
+        .await;
+    assert!(matches!(same, Err(Error::InProgress { .. })), "{same:?}");
+    let other = short
+        .execute(&scope(), &Key::new("other").unwrap(), &request(), |_tx| {
+            Box::pin(async { Ok::<_, DbError>(3) })
+        })
+        .await;
+    assert!(
+        matches!(&other, Err(Error::RetriesExhausted { last, .. }) if last.kind() == ErrorKind::Busy),
+        "another key waits for the writer: busy and retried, not in flight: {other:?}"
+    );
+    let _ = release_tx.send(());
+    let won = winner.await.unwrap();
+    assert_eq!(won.unwrap(), Outcome::Executed(1));
+    let other = idem
+        .execute(&scope(), &Key::new("other").unwrap(), &request(), |_tx| {
+            Box::pin(async { Ok::<_, DbError>(3) })
+        })
+        .await
+        .unwrap();
+    assert_eq!(other, Outcome::Executed(3));
+    std::fs::remove_dir_all(&dir).ok();
+}
