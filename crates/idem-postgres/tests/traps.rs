@@ -234,3 +234,44 @@ async fn json_text_is_stored_byte_for_byte() {
     // (serde_json's float_roundtrip); what the engine owes is the verbatim text above.
     drop_private(admin, backend, schema).await;
 }
+
+#[tokio::test]
+async fn the_effect_gets_the_sessions_own_lock_timeout_back() {
+    let (admin, backend, schema) = private("sessionvalue").await;
+    // A pool whose sessions SET their own lock_timeout (not a configuration default).
+    let options = PgConnectOptions::from_str(&url())
+        .unwrap()
+        .options([("search_path", schema.as_str())]);
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .after_connect(|conn, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(conn, "SET lock_timeout = '31s'")
+                    .await
+                    .map(drop)
+            })
+        })
+        .connect_with(options)
+        .await
+        .unwrap();
+    let session = PgBackend::from_pool(pool);
+    let idem = Idem::new(session.clone()).with_wait_timeout(Duration::from_millis(250));
+    let out = idem
+        .execute(
+            &scope(),
+            &Key::new("k").unwrap(),
+            &Request::new(serde_json::json!({"n": 1})),
+            |tx| {
+                Box::pin(async move {
+                    sqlx::query_scalar::<_, String>("SELECT current_setting('lock_timeout')")
+                        .fetch_one(&mut **tx)
+                        .await
+                })
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(out, Outcome::Executed("31s".to_owned()));
+    session.pool().close().await;
+    drop_private(admin, backend, schema).await;
+}
