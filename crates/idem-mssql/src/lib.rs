@@ -41,13 +41,13 @@
 //!
 //! # Bounded waits and `@@TRANCOUNT`
 //!
-//! The claim's first batch is `SET LOCK_TIMEOUT <ms>` ([`Claim::wait`], whole
-//! milliseconds rounded up, at least 1), the isolation level, `SELECT @@TRANCOUNT` and
-//! `BEGIN TRANSACTION`. A claim still waiting for a concurrent holder of the same
-//! identity when the bound elapses gets **1222**; the backend rolls back, resets
-//! `SET LOCK_TIMEOUT -1` (the session default) and answers [`Claimed::InFlight`]
-//! (idem's `Error::InProgress`, not retried). A won claim resets the timeout before the
-//! effect runs, so the effect's own statements are not bounded by it.
+//! The claim's first batch reads `@@TRANCOUNT` and the session's `@@LOCK_TIMEOUT`, then
+//! sets `SET LOCK_TIMEOUT <ms>` ([`Claim::wait`], whole milliseconds rounded up, at
+//! least 1), the isolation level and `BEGIN TRANSACTION`. A claim still waiting for a
+//! concurrent holder of the same identity when the bound elapses gets **1222**; the
+//! backend rolls back, sets the session's own lock timeout back and answers
+//! [`Claimed::InFlight`] (idem's `Error::InProgress`, not retried). A won claim sets it
+//! back before the effect runs, so the effect's own statements are not bounded by it.
 //!
 //! `@@TRANCOUNT` must be 0 before `BEGIN`: a pooled session left inside a transaction
 //! (by `interact`, `SET IMPLICIT_TRANSACTIONS ON`, or a procedure that leaves an extra
@@ -320,7 +320,8 @@ impl<'a> Ids<'a> {
 /// `BEGIN`, returning `@@TRANCOUNT` from before `BEGIN`.
 pub(crate) fn begin_batch(isolation: Isolation, wait: Duration) -> String {
     format!(
-        "{}{}; {}",
+        "{}; {}{}; {}",
+        sql::CLAIM_STATE,
         sql::SET_LOCK_TIMEOUT,
         lock_timeout_ms(wait),
         isolation.begin_sql()
@@ -566,9 +567,12 @@ impl Backend for MssqlBackend {
         let mut lease = self.pool.acquire().await?;
         let isolation = self.pool.options.isolation;
         let begin = begin_batch(isolation, claim.wait);
-        match lease.begin(&begin).await {
+        // The session's own lock timeout, given back after the claim (-1: no limit).
+        let session_lock_timeout = match lease.begin(&begin).await {
             Ok(row) => {
-                let before = row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+                let before = row
+                    .as_ref()
+                    .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
                 if before != Some(0) {
                     // Never reuse a session whose transaction state is not idem's.
                     lease.discard();
@@ -584,12 +588,15 @@ impl Backend for MssqlBackend {
                     );
                     return Err(self.rollback_after(lease, e).await);
                 }
+                row.as_ref()
+                    .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
+                    .unwrap_or(-1)
             }
             Err(e) => {
                 let e = db_error_in("beginning the claim's transaction", e);
                 return Err(self.rollback_after(lease, e).await);
             }
-        }
+        };
         let ids = Ids::of(claim);
         let mut outcome = Err(DbError::new(
             ENGINE,
@@ -616,10 +623,11 @@ impl Backend for MssqlBackend {
                 }
             }
         }
+        let restore = format!("{}{session_lock_timeout}", sql::SET_LOCK_TIMEOUT);
         let found = match outcome {
             Ok(None) => {
                 // Won: the effect runs with the session's default lock timeout.
-                return match lease.batch(sql::RESET_LOCK_TIMEOUT).await {
+                return match lease.batch(&restore).await {
                     Ok(_) => Ok(Claimed::Won(MssqlTx { lease })),
                     Err(e) => {
                         let e = db_error_in("resetting LOCK_TIMEOUT", e);
@@ -631,7 +639,7 @@ impl Backend for MssqlBackend {
             Err(e) => Err(e),
         };
         let ended = lease.rollback().await;
-        let reset = lease.batch(sql::RESET_LOCK_TIMEOUT).await;
+        let reset = lease.batch(&restore).await;
         if ended.is_err() || reset.is_err() {
             lease.discard();
         }
@@ -872,19 +880,18 @@ mod tests {
     #[test]
     fn claims_bound_their_lock_waits_and_check_trancount() {
         let batch = begin_batch(Isolation::ReadCommitted, Duration::from_millis(500));
-        insta::assert_snapshot!(batch, @"SET LOCK_TIMEOUT 500; SET XACT_ABORT OFF; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; SELECT @@TRANCOUNT AS trancount; BEGIN TRANSACTION");
+        insta::assert_snapshot!(batch, @"SELECT @@TRANCOUNT AS trancount, @@LOCK_TIMEOUT AS lock_timeout; SET LOCK_TIMEOUT 500; SET XACT_ABORT OFF; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN TRANSACTION");
         // 0 would mean "do not wait at all"; partial milliseconds round up.
         assert!(
-            begin_batch(Isolation::ReadCommitted, Duration::ZERO)
-                .starts_with("SET LOCK_TIMEOUT 1;")
+            begin_batch(Isolation::ReadCommitted, Duration::ZERO).contains("SET LOCK_TIMEOUT 1;")
         );
         assert!(
             begin_batch(Isolation::Snapshot, Duration::from_micros(1500))
-                .starts_with("SET LOCK_TIMEOUT 2;")
+                .contains("SET LOCK_TIMEOUT 2;")
         );
         assert!(
             begin_batch(Isolation::Serializable, Duration::MAX)
-                .starts_with(&format!("SET LOCK_TIMEOUT {};", i32::MAX))
+                .contains(&format!("SET LOCK_TIMEOUT {};", i32::MAX))
         );
         assert!(sql::CHECKED_COMMIT.contains("IF @trancount = 1 COMMIT TRANSACTION"));
     }

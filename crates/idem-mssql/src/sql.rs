@@ -52,16 +52,12 @@ macro_rules! counted {
         "SET NOCOUNT OFF; "
     };
 }
-/// Returns `@@TRANCOUNT` as it was **before** `BEGIN`: it must be 0, else the pooled
-/// session was already inside a transaction (left by `interact`, `SET
-/// IMPLICIT_TRANSACTIONS ON` or a procedure), and idem's `COMMIT` would only decrement
-/// it. The backend then discards the connection.
 macro_rules! begin {
     ($level:literal) => {
         concat!(
             "SET XACT_ABORT OFF; SET TRANSACTION ISOLATION LEVEL ",
             $level,
-            "; SELECT @@TRANCOUNT AS trancount; BEGIN TRANSACTION"
+            "; BEGIN TRANSACTION"
         )
     };
 }
@@ -80,12 +76,17 @@ pub(crate) const COMMIT: &str = "COMMIT TRANSACTION";
 /// back and discards the connection.
 pub(crate) const CHECKED_COMMIT: &str = "DECLARE @trancount int = @@TRANCOUNT; \
      IF @trancount = 1 COMMIT TRANSACTION; SELECT @trancount AS trancount";
-/// Bounds lock waits of the claim's statements (session level; the backend appends
-/// the milliseconds, an integer it computed).
+/// The start of a claim's first batch: `@@TRANCOUNT` as it was **before** `BEGIN` (it
+/// must be 0, else the pooled session was already inside a transaction, left by
+/// `interact`, `SET IMPLICIT_TRANSACTIONS ON` or a procedure, and idem's `COMMIT` would
+/// only decrement it: the backend then discards the connection), and the session's
+/// `@@LOCK_TIMEOUT`, restored after the claim.
+pub(crate) const CLAIM_STATE: &str =
+    "SELECT @@TRANCOUNT AS trancount, @@LOCK_TIMEOUT AS lock_timeout";
+/// Bounds lock waits (session level; the backend appends the milliseconds, an integer
+/// it computed or read from `@@LOCK_TIMEOUT`): the claim's bound, then the session's own
+/// value again before the effect runs and before the connection goes back to the pool.
 pub(crate) const SET_LOCK_TIMEOUT: &str = "SET LOCK_TIMEOUT ";
-/// The session default again (wait without limit), before the effect runs and before
-/// the connection goes back to the pool.
-pub(crate) const RESET_LOCK_TIMEOUT: &str = "SET LOCK_TIMEOUT -1";
 /// Safe after errors that already ended the transaction (1205 rolls it back).
 pub(crate) const ROLLBACK: &str = "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION";
 /// The health check of a connection that sat idle in the pool.
@@ -216,7 +217,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("commit", COMMIT),
     ("checked_commit", CHECKED_COMMIT),
     ("set_lock_timeout", SET_LOCK_TIMEOUT),
-    ("reset_lock_timeout", RESET_LOCK_TIMEOUT),
+    ("claim_state", CLAIM_STATE),
     ("rollback", ROLLBACK),
     ("ping", PING),
     ("insert_request", INSERT_REQUEST),
