@@ -408,23 +408,15 @@ impl Backend for PgBackend {
                 subscriber,
                 message_id,
             } => {
-                let (s, m) = (subscriber.as_str(), message_id.as_str());
-                let checked = sqlx::query(sql::CHECK_MESSAGE)
-                    .bind(s)
-                    .bind(m)
-                    .execute(&mut *tx)
+                let expired: Option<bool> = sqlx::query_scalar(sql::EXPIRED_MESSAGE)
+                    .bind(subscriber.as_str())
+                    .bind(message_id.as_str())
+                    .fetch_optional(&mut *tx)
                     .await
-                    .map_err(db_error)?
-                    .rows_affected();
-                if checked == 1 {
+                    .map_err(db_error)?;
+                if expired == Some(false) {
                     Ok(())
                 } else {
-                    let expired: Option<bool> = sqlx::query_scalar(sql::EXPIRED_MESSAGE)
-                        .bind(s)
-                        .bind(m)
-                        .fetch_optional(&mut *tx)
-                        .await
-                        .map_err(db_error)?;
                     Err(not_completed(expired))
                 }
             }
