@@ -144,7 +144,14 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
     v
 }
 
+/// One test, two phases on one thread: tracing caches per call site whether anyone
+/// listens, so a concurrent test without a subscriber could hide the spans of this one.
 #[test]
+fn spans_and_metrics_of_real_calls() {
+    spans_carry_the_call_but_never_the_key_or_the_request();
+    metrics_are_recorded_with_their_documented_names_and_labels();
+}
+
 fn metrics_are_recorded_with_their_documented_names_and_labels() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
@@ -271,7 +278,6 @@ impl Write for Captured {
     }
 }
 
-#[test]
 fn spans_carry_the_call_but_never_the_key_or_the_request() {
     let captured = Captured::default();
     let writer = captured.clone();
