@@ -619,9 +619,20 @@ impl<B: Maintenance> Idem<B> {
     /// its own statement, until none is left. Never pass less than the longest retention
     /// you promise: a record inside its window is what an active retry needs.
     pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
+        self.purge_with_progress(older_than, batch, |_| {}).await
+    }
+
+    /// Like [`Idem::purge`], calling `progress` with the running totals after every
+    /// statement (for a progress display).
+    pub async fn purge_with_progress(
+        &self,
+        older_than: Duration,
+        batch: u32,
+        progress: impl FnMut(&PurgeReport) + Send,
+    ) -> Result<PurgeReport, DbError> {
         let call = Call::new(CallKind::Purge, self.backend.engine(), "", None, None);
         let result = self
-            .run_purge(older_than, batch)
+            .run_purge(older_than, batch, progress)
             .instrument(call.span())
             .await;
         call.finish(match &result {
@@ -633,7 +644,12 @@ impl<B: Maintenance> Idem<B> {
         result
     }
 
-    async fn run_purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
+    async fn run_purge(
+        &self,
+        older_than: Duration,
+        batch: u32,
+        mut progress: impl FnMut(&PurgeReport) + Send,
+    ) -> Result<PurgeReport, DbError> {
         if batch == 0 {
             return Err(DbError::new(
                 "idem",
@@ -667,6 +683,7 @@ impl<B: Maintenance> Idem<B> {
                     Table::Requests => report.requests += n,
                     Table::Messages => report.messages += n,
                 }
+                progress(&report);
                 if n < u64::from(batch) {
                     break;
                 }
