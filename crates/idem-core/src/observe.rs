@@ -354,4 +354,57 @@ mod tests {
         assert_ne!(h, key_hash("checkout-43"));
         assert!(!h.contains("checkout"));
     }
+
+    /// Every outcome, `in_progress` included (no engine answers `Claimed::InFlight` in a
+    /// live test yet), lands on its documented counter and histogram label.
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn every_outcome_has_its_counter_and_histogram_label() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+        let cases = [
+            (Outcome::Executed, Some(EXECUTED)),
+            (Outcome::Replayed, Some(REPLAYED)),
+            (Outcome::KeyReused, Some(KEY_REUSED)),
+            (Outcome::InProgress, Some(IN_PROGRESS)),
+            (Outcome::EffectFailed, Some(EFFECT_FAILED)),
+            (Outcome::RetriesExhausted, Some(RETRIES_EXHAUSTED)),
+            (Outcome::InvalidInput, None),
+            (Outcome::Error, None),
+        ];
+        let in_progress: Error<()> = Error::InProgress {
+            waited: std::time::Duration::from_millis(5),
+        };
+        assert_eq!(Outcome::of_error(&in_progress), Outcome::InProgress);
+        for (outcome, counter) in cases {
+            let recorder = DebuggingRecorder::new();
+            let snapshotter = recorder.snapshotter();
+            metrics::with_local_recorder(&recorder, || {
+                Call::new(CallKind::Execute, "sqlite", "p", Some("op:v1"), Some("k"))
+                    .finish(outcome);
+            });
+            let snapshot = snapshotter.snapshot().into_vec();
+            let names: Vec<&str> = snapshot.iter().map(|(k, ..)| k.key().name()).collect();
+            let mut want = vec![CALL_DURATION];
+            want.extend(counter);
+            want.sort_unstable();
+            let mut got = names.clone();
+            got.sort_unstable();
+            assert_eq!(got, want, "{outcome:?}");
+            for (key, _, _, value) in &snapshot {
+                let labels: Vec<(&str, &str)> =
+                    key.key().labels().map(|l| (l.key(), l.value())).collect();
+                assert!(labels.contains(&(FIELD_CALL, "execute")), "{labels:?}");
+                assert!(labels.contains(&(FIELD_ENGINE, "sqlite")), "{labels:?}");
+                match value {
+                    DebugValue::Counter(n) => assert_eq!(*n, 1),
+                    DebugValue::Histogram(samples) => {
+                        assert_eq!(samples.len(), 1);
+                        assert!(labels.contains(&(FIELD_OUTCOME, outcome.as_str())));
+                    }
+                    DebugValue::Gauge(_) => panic!("no gauges"),
+                }
+            }
+        }
+    }
 }
