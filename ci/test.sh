@@ -39,7 +39,8 @@ step "build"
 cargo build --workspace --all-targets --all-features --locked
 
 step "unit, snapshot, offline and doc tests (no database server)"
-cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql
+cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql --exclude idem-cli
+cargo test --locked -p idem-cli --all-features --bins
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
 cargo test --locked -p idem-tests --all-features --test workflows
@@ -62,6 +63,11 @@ for engine in sqlite postgres mysql mssql oracle; do
       ;;
   esac
 done
+
+if wants postgres && wants mysql; then
+  step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
+  cargo test --locked -p idem-cli --all-features --test cli
+fi
 
 step "the README's walkthrough"
 demo_dir=$(mktemp -d)
