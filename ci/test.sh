@@ -64,7 +64,11 @@ for engine in sqlite postgres mysql mssql oracle; do
   esac
 done
 
-if wants postgres && wants mysql; then
+if wants sqlite && wants postgres && wants mysql; then
+  step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"
+  cargo test --locked -p idem-tests --all-features --test hostile
+  step "effect errors of every shape: a deadlock inside the effect retried with the same key"
+  cargo test --locked -p idem-tests --all-features --test effect_errors
   step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
   cargo test --locked -p idem-cli --all-features --test cli
 fi

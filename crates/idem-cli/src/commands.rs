@@ -81,7 +81,7 @@ pub(crate) async fn purge(url: &str, older_than: Duration, batch: u32) -> Result
     spinner.finish_and_clear();
     let report = report?;
     println!(
-        "deleted {} request records and {} processed messages older than {older_than:?} in {} statements",
+        "deleted {} expired request records and {} expired processed messages (written at least {older_than:?} ago) in {} statements",
         report.requests, report.messages, report.batches
     );
     Ok(())

@@ -63,10 +63,13 @@ enum Command {
         #[arg(long)]
         json: Option<PathBuf>,
     },
-    /// Delete records older than a duration, in bounded batches.
+    /// Delete expired records in bounded batches. Each record expires by its own
+    /// operation's retention, set by the database clock when it was written, so one purge
+    /// is safe for every operation.
     Purge {
-        /// For example 24h, 7d, 90m, 30s, 500ms. Never less than the retention you promise.
-        #[arg(long, value_parser = commands::parse_duration)]
+        /// Also keep records written less than this long ago, expired or not (for example
+        /// 24h, 7d, 90m, 30s, 500ms). Default 0: every expired record goes.
+        #[arg(long, value_parser = commands::parse_duration, default_value = "0s")]
         older_than: std::time::Duration,
         /// Rows per DELETE statement.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]

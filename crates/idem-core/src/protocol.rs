@@ -615,9 +615,13 @@ impl<B: Maintenance> Idem<B> {
         self.backend.migrate().await
     }
 
-    /// Deletes records older than `older_than` in batches of at most `batch` rows, each
-    /// its own statement, until none is left. Never pass less than the longest retention
-    /// you promise: a record inside its window is what an active retry needs.
+    /// Deletes expired records in batches of at most `batch` rows, each its own
+    /// statement, until none is left. A record expires by its own operation's retention,
+    /// set by the database clock when it was claimed, so one purge is safe for every
+    /// operation whatever its window. `older_than` additionally keeps records claimed less
+    /// than that long ago (pass `Duration::ZERO` to delete every expired record). A batch
+    /// that meets a busy database, a deadlock or a lock timeout is run again under the
+    /// retry policy ([`PurgeReport::retried`]).
     pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
         self.purge_with_progress(older_than, batch, |_| {}).await
     }
