@@ -42,7 +42,11 @@ impl fmt::Display for Verdict {
 
 /// Checks a snapshot against the keys the run planned (`(key, amount)`; each must end
 /// with exactly one record) and every successful reply a client received.
-pub(crate) fn check(plan: &[(String, i64)], replies: &[(String, Value)], snap: &Snapshot) -> Verdict {
+pub(crate) fn check(
+    plan: &[(String, i64)],
+    replies: &[(String, Value)],
+    snap: &Snapshot,
+) -> Verdict {
     let mut v = Verdict {
         records: snap.records.len(),
         replies: replies.len(),
@@ -65,9 +69,10 @@ pub(crate) fn check(plan: &[(String, i64)], replies: &[(String, Value)], snap: &
             .and_then(|req| req.get("amount").and_then(Value::as_i64))
         {
             Some(amount) => stored_sum += amount,
-            None => v
-                .violations
-                .push(format!("key {}: stored request {:?} has no amount", r.key, r.request)),
+            None => v.violations.push(format!(
+                "key {}: stored request {:?} has no amount",
+                r.key, r.request
+            )),
         }
     }
     let moved = INITIAL - snap.balance;
@@ -86,12 +91,14 @@ pub(crate) fn check(plan: &[(String, i64)], replies: &[(String, Value)], snap: &
         let recs = records.get(key).map_or(&[][..], Vec::as_slice);
         let runs = applied.get(key).map_or(0, Vec::len);
         if recs.len() > 1 {
-            v.violations.push(format!("key {key}: {} records", recs.len()));
+            v.violations
+                .push(format!("key {key}: {} records", recs.len()));
         }
         if let Some(r) = recs.first() {
             if r.response.is_none() {
-                v.violations
-                    .push(format!("key {key}: a record without its response is visible"));
+                v.violations.push(format!(
+                    "key {key}: a record without its response is visible"
+                ));
             }
             match runs {
                 0 => {

@@ -295,7 +295,8 @@ mod postgres {
             hang: bool,
         ) -> Result<Value, DbError> {
             let mut tx = backend.pool().begin().await.map_err(db_error)?;
-            let value = Self::apply(&mut tx, key, amount, false, hang.then_some(Hook::Hang)).await?;
+            let value =
+                Self::apply(&mut tx, key, amount, false, hang.then_some(Hook::Hang)).await?;
             tx.commit().await.map_err(db_error)?;
             Ok(value)
         }
@@ -307,11 +308,12 @@ mod postgres {
                 .execute(&mut *tx)
                 .await
                 .map_err(db_error)?;
-            let balance: i64 = sqlx::query_scalar("SELECT balance FROM fault_account WHERE id = $1")
-                .bind(ACCOUNT)
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db_error)?;
+            let balance: i64 =
+                sqlx::query_scalar("SELECT balance FROM fault_account WHERE id = $1")
+                    .bind(ACCOUNT)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
             let ledger: Vec<(String, i64)> =
                 sqlx::query_as("SELECT request_key, amount FROM fault_ledger")
                     .fetch_all(&mut *tx)
@@ -353,7 +355,9 @@ mod postgres {
             if killed {
                 Ok(())
             } else {
-                Err(fault(format!("pg_terminate_backend({pid}) found no such session")))
+                Err(fault(format!(
+                    "pg_terminate_backend({pid}) found no such session"
+                )))
             }
         }
 
@@ -432,7 +436,10 @@ mod mysql {
         gate: bool,
         hook: Option<Hook>,
     ) -> Result<Value, DbError> {
-        let id: Option<u64> = tx.query_first("SELECT CONNECTION_ID()").await.map_err(db_error)?;
+        let id: Option<u64> = tx
+            .query_first("SELECT CONNECTION_ID()")
+            .await
+            .map_err(db_error)?;
         let id = id.ok_or_else(|| fault("no connection id"))?;
         tx.exec_drop("SET @idem_fault_gate = ?", (gate.then(|| hex(&key)),))
             .await
@@ -477,9 +484,12 @@ mod mysql {
             for statement in SCHEMA {
                 conn.query_drop(statement).await.map_err(db_error)?;
             }
-            conn.exec_drop("INSERT INTO fault_account VALUES (?, ?)", (ACCOUNT, INITIAL))
-                .await
-                .map_err(db_error)
+            conn.exec_drop(
+                "INSERT INTO fault_account VALUES (?, ?)",
+                (ACCOUNT, INITIAL),
+            )
+            .await
+            .map_err(db_error)
         }
 
         async fn attach(url: &str, ns: &str) -> Result<MysqlBackend, DbError> {
@@ -508,7 +518,8 @@ mod mysql {
                 .start_transaction(TxOpts::default())
                 .await
                 .map_err(db_error)?;
-            let value = session_apply(&mut tx, key, amount, false, hang.then_some(Hook::Hang)).await?;
+            let value =
+                session_apply(&mut tx, key, amount, false, hang.then_some(Hook::Hang)).await?;
             tx.commit().await.map_err(db_error)?;
             Ok(value)
         }

@@ -149,7 +149,11 @@ impl<K: Faulty> Run<K> {
             fastrand::u32(..)
         );
         let bank = K::connect(&ctx.url, Some(&ns)).await.map_err(|e| {
-            format!("{} is required and unreachable at {}: {e}", K::ENGINE, ctx.url)
+            format!(
+                "{} is required and unreachable at {}: {e}",
+                K::ENGINE,
+                ctx.url
+            )
         })?;
         let ready = async {
             bank.setup().await?;
@@ -202,7 +206,14 @@ impl<K: Faulty> Run<K> {
         for _ in 0..50 {
             let result = guard(
                 "a retry",
-                execute_once::<K>(Arc::clone(&self.idem), key.into(), amount, false, None, false),
+                execute_once::<K>(
+                    Arc::clone(&self.idem),
+                    key.into(),
+                    amount,
+                    false,
+                    None,
+                    false,
+                ),
             )
             .await;
             let ok = matches!(result, Ok(Ok(_)));
@@ -263,7 +274,10 @@ impl<K: Faulty> Run<K> {
         };
         let exe = std::env::current_exe().map_err(text)?;
         let mut child = tokio::process::Command::new(exe)
-            .env(crate::CHILD_ENV, serde_json::to_string(&spec).map_err(text)?)
+            .env(
+                crate::CHILD_ENV,
+                serde_json::to_string(&spec).map_err(text)?,
+            )
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -280,7 +294,9 @@ impl<K: Faulty> Run<K> {
     /// SIGKILLs a child and waits for it to be gone.
     async fn sigkill(&mut self, mut proc: ChildProc) -> Result<(), String> {
         proc.child.start_kill().map_err(text)?;
-        guard("a killed child", proc.child.wait()).await?.map_err(text)?;
+        guard("a killed child", proc.child.wait())
+            .await?
+            .map_err(text)?;
         self.tally.kills += 1;
         Ok(())
     }
@@ -341,7 +357,10 @@ pub(crate) async fn killed_in_claim<K: Faulty>(ctx: Ctx) -> Result<String, Strin
             let (key, amount) = run.key("claim", i);
             let (at, at_rx) = oneshot::channel();
             let (go, go_rx) = oneshot::channel();
-            let hook = Hook::Pause { at, go: Some(go_rx) };
+            let hook = Hook::Pause {
+                at,
+                go: Some(go_rx),
+            };
             let holder = run.spawn_call(&key, amount, false, Some(hook), i % 2 == 1);
             let holder_session = guard("the holder's effect", at_rx).await?.map_err(text)?;
             let mut victim = run.spawn_call(&key, amount, false, None, false);
@@ -373,7 +392,10 @@ pub(crate) async fn killed_in_effect<K: Faulty>(ctx: Ctx) -> Result<String, Stri
             let (key, amount) = run.key("effect", i);
             let (at, at_rx) = oneshot::channel();
             let (go, go_rx) = oneshot::channel();
-            let hook = Hook::Pause { at, go: Some(go_rx) };
+            let hook = Hook::Pause {
+                at,
+                go: Some(go_rx),
+            };
             let call = run.spawn_call(&key, amount, false, Some(hook), false);
             let session = guard("the effect", at_rx).await?.map_err(text)?;
             run.kill(session).await?;
@@ -541,8 +563,11 @@ pub(crate) async fn broken_protocol<K: Faulty>(ctx: Ctx) -> Result<String, Strin
             run.tally.requests += 1;
             run.tally.failed += 1;
             // The broken client's retry: it replays the record, the effect never runs.
-            let reply = guard("a broken retry", broken_once::<K>(&run.idem, key.clone(), amount, false))
-                .await??;
+            let reply = guard(
+                "a broken retry",
+                broken_once::<K>(&run.idem, key.clone(), amount, false),
+            )
+            .await??;
             run.tally.requests += 1;
             run.tally.replayed += 1;
             run.replies.push((key, reply));
@@ -553,7 +578,9 @@ pub(crate) async fn broken_protocol<K: Faulty>(ctx: Ctx) -> Result<String, Strin
     let (verdict, line) = run.finish().await?;
     body?;
     if verdict.lost >= 1 && !verdict.violations.is_empty() {
-        Ok(format!("the checker caught the broken protocol, as it must: {line}"))
+        Ok(format!(
+            "the checker caught the broken protocol, as it must: {line}"
+        ))
     } else {
         Err(format!(
             "the checker did NOT catch the broken protocol (record committed before the effect): {line}"
