@@ -467,12 +467,26 @@ mod mysql {
         Ok(response(balance, &key))
     }
 
+    /// A pooled connection that answers: the race rounds kill sessions that may already
+    /// be back in the pool, and the pool hands a dead one out once.
+    async fn live_conn(bank: &MysqlBank) -> Result<idem::mysql::mysql_async::Conn, DbError> {
+        let mut last = None;
+        for _ in 0..5 {
+            let mut conn = bank.backend().pool().get_conn().await.map_err(db_error)?;
+            match conn.ping().await {
+                Ok(()) => return Ok(conn),
+                Err(e) => last = Some(db_error(e)),
+            }
+        }
+        Err(last.unwrap_or_else(|| fault("no live connection")))
+    }
+
     async fn scalar<T: idem::mysql::mysql_async::prelude::FromValue + Send + 'static>(
         bank: &MysqlBank,
         sql: &str,
         params: impl Into<idem::mysql::mysql_async::Params> + Send,
     ) -> Result<Option<T>, DbError> {
-        let mut conn = bank.backend().pool().get_conn().await.map_err(db_error)?;
+        let mut conn = live_conn(bank).await?;
         conn.exec_first(sql, params).await.map_err(db_error)
     }
 
@@ -526,9 +540,8 @@ mod mysql {
 
         async fn snapshot(&self) -> Result<Snapshot, DbError> {
             // One consistent-snapshot transaction: a consistent picture of all three.
-            let mut conn = self
-                .backend()
-                .pool()
+            let mut live = live_conn(self).await?;
+            let mut conn = live
                 .start_transaction({
                     let mut opts = TxOpts::default();
                     opts.with_consistent_snapshot(true);
@@ -571,7 +584,7 @@ mod mysql {
         }
 
         async fn kill(&self, session: i64) -> Result<(), DbError> {
-            let mut conn = self.backend().pool().get_conn().await.map_err(db_error)?;
+            let mut conn = live_conn(self).await?;
             conn.query_drop(format!("KILL CONNECTION {session}"))
                 .await
                 .map_err(db_error)?;
@@ -608,7 +621,7 @@ mod mysql {
         }
 
         async fn close_gate(&self) -> Result<Gate, DbError> {
-            let mut conn = self.backend().pool().get_conn().await.map_err(db_error)?;
+            let mut conn = live_conn(self).await?;
             let got: Option<i64> = conn
                 .query_first("SELECT GET_LOCK(CONCAT('idem_fault:', DATABASE()), 5)")
                 .await
