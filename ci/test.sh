@@ -67,7 +67,7 @@ done
 # processes SIGKILLed mid-transaction, retried with the same key, invariant checked after
 # every run; and the least-privilege roles of migrations/<engine>/grants.sql. Bigger runs:
 # IDEM_FAULT_SCALE=20 (or `-- --scale 20`).
-export IDEM_FAULT_SCALE=${IDEM_FAULT_SCALE:-3}
+export IDEM_FAULT_SCALE=${IDEM_FAULT_SCALE:-10}
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   step "fault suite: $engine (scale $IDEM_FAULT_SCALE)"

@@ -9,7 +9,7 @@ use idem::core::Idem;
 use serde::{Deserialize, Serialize};
 
 use crate::engines::{Faulty, Hook};
-use crate::scenarios::{broken_once, execute_once};
+use crate::scenarios::{broken_effect_first, broken_once, execute_once};
 
 /// What the child does.
 #[derive(Debug, Clone, Copy, Serialize, Deserialize)]
@@ -20,8 +20,12 @@ pub(crate) enum Mode {
     AtGate,
     /// One call after another, printing `OK <key> <response>` after each.
     Stream,
-    /// The broken protocol: its separate effect transaction prints `READY` and hangs.
+    /// The broken protocol "record first": its separate effect transaction prints
+    /// `READY` and hangs.
     Broken,
+    /// The broken protocol "effect first": prints `READY` and hangs between the
+    /// committed effect and the record.
+    BrokenEffectFirst,
 }
 
 /// The child's instructions, passed as JSON in the environment.
@@ -103,6 +107,9 @@ async fn run<K: Faulty>(spec: ChildSpec) -> Result<(), String> {
             }
             Mode::Broken => {
                 broken_once::<K>(&idem, key, amount, true).await?;
+            }
+            Mode::BrokenEffectFirst => {
+                broken_effect_first::<K>(&idem, key, amount, true).await?;
             }
         }
     }

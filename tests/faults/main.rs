@@ -12,9 +12,10 @@
 //!   holds, or killed just as the gate opens (racing the commit);
 //! - `client_process_killed`: a child process running idem is SIGKILLed inside the
 //!   effect, at the commit gate, and at a random moment of a stream of debits;
-//! - `broken_protocol_is_caught`: the same faults against a deliberately broken
-//!   protocol (the record committed in a transaction of its own before the effect) must
-//!   make the invariant checker report a lost effect.
+//! - `broken_protocol_is_caught`: the same process kill against two deliberately broken
+//!   protocols must make the invariant checker fail: the record committed in a
+//!   transaction of its own before the effect (a lost effect), or after it (a doubled
+//!   one).
 //!
 //! After every fault each key is retried with the same key until it succeeds (bounded),
 //! and the invariant is checked: the balance moved by exactly the sum of the stored

@@ -92,6 +92,34 @@ pub(crate) async fn broken_once<K: Faulty>(
     }
 }
 
+/// The other BROKEN protocol: the effect commits in a transaction of its own first,
+/// then idem stores the record. A crash between the two leaves an effect without a
+/// record, so the retry applies it again. With `hang`, prints `READY` between the two
+/// and hangs until the process is killed.
+pub(crate) async fn broken_effect_first<K: Faulty>(
+    idem: &Idem<K::B>,
+    key: String,
+    amount: i64,
+    hang: bool,
+) -> Result<Value, String> {
+    let id = Key::new(key.clone()).map_err(|e| e.to_string())?;
+    let reply = K::apply_alone(idem.backend(), key, amount, false)
+        .await
+        .map_err(|e| e.to_string())?;
+    if hang {
+        crate::child::say("READY 0");
+        tokio::time::sleep(HANG_GUARD).await;
+    }
+    let outcome = idem
+        .execute(&scope(), &id, &request(amount), |_tx| {
+            let reply = reply.clone();
+            Box::pin(async move { Ok::<_, DbError>(reply) })
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(outcome.into_inner())
+}
+
 /// Figures of one trial.
 #[derive(Debug, Default)]
 struct Tally {
@@ -549,41 +577,65 @@ pub(crate) async fn process_killed<K: Faulty>(ctx: Ctx) -> Result<String, String
     })
 }
 
-/// The broken protocol under the same fault (a client process killed after the record
-/// committed, inside the effect's own transaction): the checker must report it.
+/// The broken protocols under the same fault (a client process killed between their
+/// two transactions): the checker must report a lost effect for "record first" and a
+/// doubled one for "effect first".
 pub(crate) async fn broken_protocol<K: Faulty>(ctx: Ctx) -> Result<String, String> {
     let rounds = ctx.scale;
     let mut run = Run::<K>::open(ctx).await?;
     let body: Result<(), String> = async {
         for i in 0..rounds {
-            let (key, amount) = run.key("broken", i);
-            let mut proc = run.child(Mode::Broken, vec![(key.clone(), amount)])?;
-            proc.ready().await?;
-            run.sigkill(proc).await?;
-            run.tally.requests += 1;
-            run.tally.failed += 1;
-            // The broken client's retry: it replays the record, the effect never runs.
-            let reply = guard(
-                "a broken retry",
-                broken_once::<K>(&run.idem, key.clone(), amount, false),
-            )
-            .await??;
-            run.tally.requests += 1;
-            run.tally.replayed += 1;
-            run.replies.push((key, reply));
+            for mode in [Mode::Broken, Mode::BrokenEffectFirst] {
+                let prefix = match mode {
+                    Mode::Broken => "record-first",
+                    _ => "effect-first",
+                };
+                let (key, amount) = run.key(prefix, i);
+                let mut proc = run.child(mode, vec![(key.clone(), amount)])?;
+                proc.ready().await?;
+                run.sigkill(proc).await?;
+                run.tally.requests += 1;
+                run.tally.failed += 1;
+                // The broken client's retry with the same key.
+                let retry = match mode {
+                    Mode::Broken => {
+                        guard(
+                            "a broken retry",
+                            broken_once::<K>(&run.idem, key.clone(), amount, false),
+                        )
+                        .await?
+                    }
+                    _ => {
+                        guard(
+                            "a broken retry",
+                            broken_effect_first::<K>(&run.idem, key.clone(), amount, false),
+                        )
+                        .await?
+                    }
+                };
+                let reply = retry?;
+                run.tally.requests += 1;
+                // "Record first" replays its record; "effect first" runs the effect again.
+                match mode {
+                    Mode::Broken => run.tally.replayed += 1,
+                    _ => run.tally.executed += 1,
+                }
+                run.replies.push((key, reply));
+            }
         }
         Ok(())
     }
     .await;
     let (verdict, line) = run.finish().await?;
     body?;
-    if verdict.lost >= 1 && !verdict.violations.is_empty() {
+    let rounds = rounds as usize;
+    if verdict.lost >= rounds && verdict.doubled >= rounds {
         Ok(format!(
-            "the checker caught the broken protocol, as it must: {line}"
+            "the checker caught both broken protocols, as it must: {line}"
         ))
     } else {
         Err(format!(
-            "the checker did NOT catch the broken protocol (record committed before the effect): {line}"
+            "the checker did NOT catch the broken protocols (expected {rounds} lost and {rounds} doubled): {line}"
         ))
     }
 }
