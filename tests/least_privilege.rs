@@ -24,6 +24,11 @@ fn suffix() -> String {
     format!("{}_{:08x}", std::process::id(), fastrand::u32(..))
 }
 
+/// A test login's password (whatever the server's authentication method, trust or not).
+fn password(user: &str) -> String {
+    format!("pw-{user}")
+}
+
 fn scope() -> Scope {
     Scope::new(
         Principal::new("account-1").unwrap(),
@@ -69,6 +74,7 @@ mod postgres {
         let options = PgConnectOptions::from_str(url)
             .unwrap()
             .username(user)
+            .password(&password(user))
             .options([("search_path", ns)]);
         PgBackend::connect_with(options, 2).await.unwrap()
     }
@@ -196,8 +202,10 @@ mod postgres {
                 // What the application grants on its own table, and the login roles.
                 sqlx::raw_sql(AssertSqlSafe(format!(
                     "GRANT SELECT, UPDATE ON idem_demo_account TO {writer_role}; \
-                     CREATE ROLE {writer} LOGIN IN ROLE {writer_role}; \
-                     CREATE ROLE {purger} LOGIN IN ROLE {purger_role};"
+                     CREATE ROLE {writer} LOGIN PASSWORD '{}' IN ROLE {writer_role}; \
+                     CREATE ROLE {purger} LOGIN PASSWORD '{}' IN ROLE {purger_role};",
+                    password(&writer),
+                    password(&purger),
                 )))
                 .execute(owner)
                 .await
@@ -288,7 +296,7 @@ mod mysql {
     async fn connect_as(url: &str, user: &str, db: &str) -> MysqlBackend {
         let opts = OptsBuilder::from_opts(parse_url(url).unwrap())
             .user(Some(user))
-            .pass(None::<String>)
+            .pass(Some(password(user)))
             .db_name(Some(db));
         MysqlBackend::connect_with(opts).await.unwrap()
     }
@@ -412,8 +420,11 @@ mod mysql {
                     "GRANT SELECT, UPDATE ON idem_demo_account TO {writer_role}"
                 ));
                 for (user, role) in [(&writer, &writer_role), (&purger, &purger_role)] {
-                    all.push(format!("CREATE USER '{user}'@'%'"));
-                    all.push(format!("CREATE USER '{user}'@'localhost'"));
+                    let pass = password(user);
+                    all.push(format!("CREATE USER '{user}'@'%' IDENTIFIED BY '{pass}'"));
+                    all.push(format!(
+                        "CREATE USER '{user}'@'localhost' IDENTIFIED BY '{pass}'"
+                    ));
                     all.push(format!("GRANT {role} TO '{user}'@'%'"));
                     all.push(format!("GRANT {role} TO '{user}'@'localhost'"));
                     all.push(format!("SET DEFAULT ROLE {role} FOR '{user}'@'%'"));
