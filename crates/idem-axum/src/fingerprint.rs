@@ -173,15 +173,19 @@ pub enum BodyRejection {
     Shape(String),
 }
 
-impl IntoResponse for BodyRejection {
-    fn into_response(self) -> Response {
-        let status = match &self {
-            Self::Unreadable(status, _) if status.is_client_error() => *status,
+impl From<BodyRejection> for Problem {
+    fn from(e: BodyRejection) -> Self {
+        let status = match &e {
+            BodyRejection::Unreadable(status, _) if status.is_client_error() => *status,
             _ => StatusCode::BAD_REQUEST,
         };
-        Problem::new(status, types::INVALID_BODY, "Invalid request body")
-            .with_detail(self.to_string())
-            .into_response()
+        Problem::new(status, types::INVALID_BODY, "Invalid request body").with_detail(e.to_string())
+    }
+}
+
+impl IntoResponse for BodyRejection {
+    fn into_response(self) -> Response {
+        Problem::from(self).into_response()
     }
 }
 
