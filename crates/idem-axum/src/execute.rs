@@ -176,7 +176,10 @@ impl<B: Backend> HttpIdem<B> {
     ) -> Result<Response, HttpError<E>>
     where
         E: StdError + Send + Sync + 'static,
-        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<JsonResponse, JsonResponse>, E>>
+        F: for<'t> FnMut(
+                &'t mut B::Tx,
+            )
+                -> BoxFuture<'t, Result<Result<JsonResponse, JsonResponse>, E>>
             + Send,
     {
         let allowed = Arc::clone(&self.stored_headers);

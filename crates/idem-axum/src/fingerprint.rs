@@ -198,7 +198,8 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
             .map_err(|e| BodyRejection::Unreadable(e.status(), e.body_text()))?;
         let text = std::str::from_utf8(&bytes)
             .map_err(|e| BodyRejection::NotJson(format!("not UTF-8 ({e})")))?;
-        let request = IdemRequest::parse(text).map_err(|e| BodyRejection::NotJson(e.to_string()))?;
+        let request =
+            IdemRequest::parse(text).map_err(|e| BodyRejection::NotJson(e.to_string()))?;
         Ok(Self(request.value().clone()))
     }
 }

@@ -117,7 +117,9 @@ fn parse_sf_string(rest: &[u8]) -> Result<String, KeyRejection> {
             }
         }
     }
-    Err(KeyRejection::Malformed("the quoted key has no closing quote".into()))
+    Err(KeyRejection::Malformed(
+        "the quoted key has no closing quote".into(),
+    ))
 }
 
 /// Reads the key from request headers: `Ok(None)` when there is none.
@@ -199,7 +201,10 @@ mod tests {
         assert!(matches!(err(b"\"a\";p=1"), KeyRejection::Malformed(_)));
         assert!(matches!(err(b"\"a\", \"b\""), KeyRejection::Malformed(_)));
         assert!(matches!(err(b"\"a\\nb\""), KeyRejection::Malformed(_)));
-        assert!(matches!(err("\"é\"".as_bytes()), KeyRejection::Malformed(_)));
+        assert!(matches!(
+            err("\"é\"".as_bytes()),
+            KeyRejection::Malformed(_)
+        ));
         assert!(matches!(err(&[0xff, b'a']), KeyRejection::Malformed(_)));
     }
 

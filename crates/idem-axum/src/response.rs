@@ -229,10 +229,12 @@ pub fn problem_for<E>(error: &Error<E>) -> Option<Problem> {
     Some(match error {
         Error::Effect(_) => return None,
         Error::InvalidInput(e) if e.what() == "response" => internal(),
-        Error::InvalidInput(e) => {
-            Problem::new(StatusCode::BAD_REQUEST, types::INVALID_BODY, "Invalid request")
-                .with_detail(e.to_string())
-        }
+        Error::InvalidInput(e) => Problem::new(
+            StatusCode::BAD_REQUEST,
+            types::INVALID_BODY,
+            "Invalid request",
+        )
+        .with_detail(e.to_string()),
         Error::KeyReused { .. } => Problem::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             types::KEY_REUSED,
@@ -321,22 +323,32 @@ mod tests {
         assert_eq!(http.status(), StatusCode::CREATED);
         assert_eq!(http.headers()[IDEMPOTENT_REPLAYED], "true");
         assert_eq!(http.headers()[header::LOCATION], "/accounts/1");
-        assert!(serde_json::from_str::<JsonResponse>(r#"{"status":99,"headers":[],"body":1}"#).is_err());
+        assert!(
+            serde_json::from_str::<JsonResponse>(r#"{"status":99,"headers":[],"body":1}"#).is_err()
+        );
     }
 
     #[test]
     fn errors_map_to_statuses() {
-        let status = |e: Error<std::io::Error>| problem_for(&e).map(|p| (p.status(), p.retry_after()));
+        let status =
+            |e: Error<std::io::Error>| problem_for(&e).map(|p| (p.status(), p.retry_after()));
         assert_eq!(
-            status(Error::KeyReused { stored: json!(1), supplied: json!(2) }),
+            status(Error::KeyReused {
+                stored: json!(1),
+                supplied: json!(2)
+            }),
             Some((StatusCode::UNPROCESSABLE_ENTITY, None))
         );
         assert_eq!(
-            status(Error::InProgress { waited: Duration::from_millis(1500) }),
+            status(Error::InProgress {
+                waited: Duration::from_millis(1500)
+            }),
             Some((StatusCode::CONFLICT, Some(2)))
         );
         assert_eq!(
-            status(Error::InProgress { waited: Duration::from_millis(10) }),
+            status(Error::InProgress {
+                waited: Duration::from_millis(10)
+            }),
             Some((StatusCode::CONFLICT, Some(1)))
         );
         let conn = idem_core::DbError::new("x", ErrorKind::Connection, "gone");

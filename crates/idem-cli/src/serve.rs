@@ -19,7 +19,10 @@ use idem::axum::{
     Authenticated, BodyFields, Fingerprint, HttpError, HttpIdem, IdempotencyKey, JsonBody,
     JsonResponse, Problem,
 };
-use idem::{Consumed, ErrorKind, Idem, MessageId, Operation, Principal, Request as IdemRequest, Scope, Subscriber};
+use idem::{
+    Consumed, ErrorKind, Idem, MessageId, Operation, Principal, Request as IdemRequest, Scope,
+    Subscriber,
+};
 use idem_conformance::{Bank, BankError};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -78,15 +81,20 @@ impl IntoResponse for ApiError {
             .with_detail("the debit would make the balance negative; nothing was stored")
             .into_response(),
             BankError::NoAccount(id) => no_account(id).into_response(),
-            BankError::Db(e) => HttpError::<std::convert::Infallible>(idem::Error::Backend(e))
-                .into_response(),
+            BankError::Db(e) => {
+                HttpError::<std::convert::Infallible>(idem::Error::Backend(e)).into_response()
+            }
         }
     }
 }
 
 fn no_account(id: i64) -> Problem {
-    Problem::new(StatusCode::NOT_FOUND, demo_types::NO_ACCOUNT, "No such account")
-        .with_detail(format!("there is no account {id}"))
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        demo_types::NO_ACCOUNT,
+        "No such account",
+    )
+    .with_detail(format!("there is no account {id}"))
 }
 
 fn bad_request(detail: impl Into<String>) -> Problem {
@@ -254,7 +262,9 @@ async fn post_debit<K: Bank>(
         let id = account_id(&id)?;
         let Debit { amount } = body.parse().map_err(Problem::from)?;
         if amount <= 0 {
-            return Err(bad_request(format!("amount {amount} is not a positive whole number")));
+            return Err(bad_request(format!(
+                "amount {amount} is not a positive whole number"
+            )));
         }
         let operation = Operation::new("debit", 1).map_err(|e| bad_request(e.to_string()))?;
         Ok((id, amount, Scope::new(principal, operation)))
@@ -277,8 +287,13 @@ async fn post_debit<K: Bank>(
                     }
                     let location = HeaderValue::try_from(format!("/accounts/{id}"))
                         .unwrap_or(HeaderValue::from_static("/accounts"));
-                    Ok::<_, ApiError>(JsonResponse::new(StatusCode::CREATED, json!(BalanceBody { balance: b.balance }))
-                        .with_header(header::LOCATION, location))
+                    Ok::<_, ApiError>(
+                        JsonResponse::new(
+                            StatusCode::CREATED,
+                            json!(BalanceBody { balance: b.balance }),
+                        )
+                        .with_header(header::LOCATION, location),
+                    )
                 })
             })
             .await
@@ -314,7 +329,9 @@ async fn post_message<K: Bank>(
         let message_id = MessageId::new(message_id).map_err(|e| bad_request(e.to_string()))?;
         let Message { account, amount } = body.parse().map_err(Problem::from)?;
         if amount <= 0 {
-            return Err(bad_request(format!("amount {amount} is not a positive whole number")));
+            return Err(bad_request(format!(
+                "amount {amount} is not a positive whole number"
+            )));
         }
         Ok((subscriber, message_id, account, amount))
     })();
@@ -420,10 +437,9 @@ async fn bearer(mut req: Request, next: Next) -> Response {
             )
             .with_detail(detail)
             .into_response();
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer"),
-            );
+            response
+                .headers_mut()
+                .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
             response
         }
     }
@@ -434,7 +450,10 @@ fn router<K: Bank>(app: Shared<K>) -> Router {
         .route("/accounts/{id}/debits", post(post_debit::<K>))
         .route_layer(middleware::from_fn(bearer));
     Router::new()
-        .route("/accounts/{id}", put(put_account::<K>).get(get_account::<K>))
+        .route(
+            "/accounts/{id}",
+            put(put_account::<K>).get(get_account::<K>),
+        )
         .route(
             "/subscribers/{name}/messages/{message_id}",
             post(post_message::<K>),
