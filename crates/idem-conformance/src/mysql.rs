@@ -231,8 +231,8 @@ impl Bank for MysqlBank {
         let mut conn = self.backend.pool().get_conn().await.map_err(db_error)?;
         conn.exec_drop(
             "INSERT INTO idem_request_result \
-             (principal, operation, request_key, request, response, status, created_at) \
-             VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6))",
+             (principal, operation, request_key, request, response, status, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
             (
                 principal.as_bytes(),
                 operation.as_bytes(),
