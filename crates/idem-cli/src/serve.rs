@@ -518,9 +518,26 @@ pub(crate) async fn run<K: Bank>(url: &str, options: Options) -> Result<(), Fail
     .await;
     app.tasks.close();
     app.tasks.wait().await;
-    match Arc::try_unwrap(app) {
-        Ok(app) => app.bank.close().await?,
-        Err(_) => eprintln!("warning: requests still hold the database; not closed cleanly"),
+    // axum lets a finished connection task drop its copy of the router a moment after
+    // graceful shutdown returns: wait (bounded) for the last copy.
+    let mut app = app;
+    let mut tries = 0;
+    loop {
+        match Arc::try_unwrap(app) {
+            Ok(app) => {
+                app.bank.close().await?;
+                break;
+            }
+            Err(shared) if tries < 100 => {
+                app = shared;
+                tries += 1;
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(_) => {
+                eprintln!("warning: requests still hold the database; not closed cleanly");
+                break;
+            }
+        }
     }
     println!("idem serve: stopped");
     served

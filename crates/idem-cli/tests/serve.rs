@@ -503,20 +503,47 @@ fn required(var: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_owned())
 }
 
-fn sqlite_url() -> String {
-    let dir = std::env::temp_dir().join(format!("idem-http-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    format!("sqlite://{}/http.db", dir.display())
+/// A fresh directory for one SQLite test; `check_empty` then proves that shutdown removed
+/// the private database file (and its WAL files).
+struct SqliteDir(std::path::PathBuf);
+
+impl SqliteDir {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "idem-http-{tag}-{}-{:06x}",
+            std::process::id(),
+            fastrand::u32(..0xff_ffff)
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Self(dir)
+    }
+
+    fn url(&self) -> String {
+        format!("sqlite://{}/http.db", self.0.display())
+    }
+
+    fn check_empty(self) {
+        let left: Vec<_> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert!(left.is_empty(), "shutdown left {left:?} behind");
+        std::fs::remove_dir(&self.0).unwrap();
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_walkthrough() {
-    walkthrough(&sqlite_url()).await;
+    let dir = SqliteDir::new("walk");
+    walkthrough(&dir.url()).await;
+    dir.check_empty();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn sqlite_held_winner() {
-    held_winner(&sqlite_url()).await;
+    let dir = SqliteDir::new("held");
+    held_winner(&dir.url()).await;
+    dir.check_empty();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -607,7 +607,10 @@ impl Backend for MysqlBackend {
             Err(e) => Err(db_error(e)),
         };
         // The effect (and the pooled session) keep their own lock-wait timeout.
-        let restored = tx.query_drop(sql::RESTORE_LOCK_WAIT).await.map_err(db_error);
+        let restored = tx
+            .query_drop(sql::RESTORE_LOCK_WAIT)
+            .await
+            .map_err(db_error);
         match (claimed, restored) {
             (Ok(None), Ok(())) if target.is_request => Ok(Claimed::Won(MysqlTx { tx })),
             (Ok(None), Ok(())) => match tx.query_drop(sql::SAVEPOINT_CLAIMED).await {

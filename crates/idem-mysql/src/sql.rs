@@ -124,8 +124,7 @@ pub(crate) const LOOKUP_MESSAGE: &str = concat!(
 pub(crate) const SET_LOCK_WAIT: &str = "SET @idem_lock_wait = @@SESSION.innodb_lock_wait_timeout, \
      SESSION innodb_lock_wait_timeout = ";
 /// Gives the session (and the effect) its own `innodb_lock_wait_timeout` back.
-pub(crate) const RESTORE_LOCK_WAIT: &str =
-    "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
+pub(crate) const RESTORE_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
 /// The server's `max_allowed_packet`, named in the error for a payload above it.
 pub(crate) const MAX_ALLOWED_PACKET: &str = "SELECT @@max_allowed_packet";
 

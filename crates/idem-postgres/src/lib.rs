@@ -143,7 +143,10 @@ fn stored_request(row: &sqlx::postgres::PgRow) -> Result<Stored, DbError> {
 /// The claim's `lock_timeout`, as PostgreSQL reads it: whole milliseconds, rounded up,
 /// at least 1 (0 would mean "wait forever"), at most `i32::MAX`.
 fn lock_timeout(wait: Duration) -> String {
-    let ms = wait.as_nanos().div_ceil(1_000_000).clamp(1, i32::MAX as u128);
+    let ms = wait
+        .as_nanos()
+        .div_ceil(1_000_000)
+        .clamp(1, i32::MAX as u128);
     format!("{ms}ms")
 }
 

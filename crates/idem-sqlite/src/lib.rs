@@ -37,9 +37,9 @@
 pub mod error_codes;
 mod sql;
 
+use std::collections::HashSet;
 use std::error::Error as StdError;
 use std::fmt;
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -221,7 +221,8 @@ impl Drop for InFlightGuard {
 
 fn lock(set: &InFlight) -> std::sync::MutexGuard<'_, HashSet<IdOwned>> {
     // The set holds plain data: a panic while it was locked cannot break it.
-    set.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    set.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// An idem backend on one SQLite database, with a small pool of connections.
