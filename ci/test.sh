@@ -2,7 +2,8 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), and the README's walkthrough on each required engine.
+# name otherwise), `idem serve` through a real HTTP client on each required engine, and the
+# README's walkthrough on each required engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -39,7 +40,8 @@ step "build"
 cargo build --workspace --all-targets --all-features --locked
 
 step "unit, snapshot, offline and doc tests (no database server)"
-cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql
+cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql --exclude idem-cli
+cargo test --locked -p idem-cli --all-features --bins
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
 cargo test --locked -p idem-tests --all-features --test workflows
@@ -61,6 +63,12 @@ for engine in sqlite postgres mysql mssql oracle; do
       cargo test --locked -p idem-mysql --all-features --tests
       ;;
   esac
+done
+
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  step "HTTP: idem serve through reqwest on $engine (docs/http.md)"
+  cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
 done
 
 step "the README's walkthrough"
