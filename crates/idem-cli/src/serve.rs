@@ -20,8 +20,7 @@ use idem::axum::{
     JsonResponse, Problem,
 };
 use idem::{
-    Consumed, ErrorKind, Idem, MessageId, Operation, Principal, Request as IdemRequest, Scope,
-    Subscriber,
+    Consumed, Idem, MessageId, Operation, Principal, Request as IdemRequest, Scope, Subscriber,
 };
 use idem_conformance::{Bank, BankError};
 use serde::{Deserialize, Serialize};
@@ -222,10 +221,9 @@ async fn get_account<K: Bank>(
     Path(id): Path<String>,
 ) -> Result<Json<Account>, Response> {
     let id = account_id(&id).map_err(IntoResponse::into_response)?;
-    match app.bank.balance(id).await {
-        Ok(balance) => Ok(Json(Account { id, balance })),
-        // The fixtures report a missing row as a plain (`Other`) error, as `idem account` reads it.
-        Err(e) if e.kind() == ErrorKind::Other => Err(no_account(id).into_response()),
+    match app.bank.find_balance(id).await {
+        Ok(Some(balance)) => Ok(Json(Account { id, balance })),
+        Ok(None) => Err(no_account(id).into_response()),
         Err(e) => Err(ApiError(BankError::Db(e)).into_response()),
     }
 }
