@@ -214,7 +214,9 @@ async fn put_account<K: Bank>(
     params(("id" = i64, Path, description = "The account's ID")),
     responses(
         (status = 200, description = "The account", body = Account),
+        (status = 400, description = "`urn:idem:problem:invalid-body`: the ID is not a whole number", body = ProblemBody, content_type = "application/problem+json"),
         (status = 404, description = "`urn:idem:demo:no-account`", body = ProblemBody, content_type = "application/problem+json"),
+        (status = 503, description = "`urn:idem:problem:unavailable`, with `Retry-After`", body = ProblemBody, content_type = "application/problem+json"),
     ))]
 async fn get_account<K: Bank>(
     State(app): State<Shared<K>>,
@@ -374,6 +376,8 @@ async fn post_message<K: Bank>(
 }
 
 /// `GET /openapi.json`: this API, generated from the handlers above.
+#[utoipa::path(get, path = "/openapi.json",
+    responses((status = 200, description = "This OpenAPI 3.1 document", content_type = "application/json")))]
 async fn openapi() -> Response {
     match ApiDoc::openapi().to_pretty_json() {
         Ok(text) => ([(header::CONTENT_TYPE, "application/json")], text).into_response(),
@@ -403,7 +407,7 @@ impl Modify for BearerScheme {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "idem serve: the seed's bank over HTTP", description = "Idempotent debits with the Idempotency-Key header, on any SQL engine idem supports. See docs/http.md."),
-    paths(put_account, get_account, post_debit, post_message),
+    paths(put_account, get_account, post_debit, post_message, openapi),
     components(schemas(Account, SetBalance, Debit, BalanceBody, Message, MessageOutcome, ProblemBody)),
     modifiers(&BearerScheme)
 )]
@@ -416,8 +420,9 @@ async fn bearer(mut req: Request, next: Next) -> Response {
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
     match token.map(Principal::new) {
         Some(Ok(principal)) => {
             req.extensions_mut().insert(principal);

@@ -389,6 +389,7 @@ async fn walkthrough(url: &str) {
         "/accounts/{id}",
         "/accounts/{id}/debits",
         "/subscribers/{name}/messages/{message_id}",
+        "/openapi.json",
     ] {
         assert!(paths.contains_key(p), "{p} missing from {:?}", paths.keys());
     }
