@@ -466,6 +466,25 @@ fn router<K: Bank>(app: Shared<K>) -> Router {
         .with_state(app)
 }
 
+/// A namespace is a schema, database, user or file name on every engine: a lowercase
+/// letter, then lowercase letters, digits or `_`, at most 48 characters.
+fn check_namespace(ns: &str) -> Result<(), Fail> {
+    let mut chars = ns.chars();
+    let first_ok = chars.next().is_some_and(|c| c.is_ascii_lowercase());
+    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if first_ok && rest_ok && ns.len() <= 48 {
+        Ok(())
+    } else {
+        Err(Fail::new(
+            crate::fail::INVALID_INPUT,
+            format!(
+                "invalid namespace {ns:?}: use a lowercase letter, then lowercase letters, digits \
+                 or '_' (at most 48 characters)"
+            ),
+        ))
+    }
+}
+
 async fn shutdown_signal() {
     let interrupt = async {
         if tokio::signal::ctrl_c().await.is_err() {
@@ -492,6 +511,9 @@ async fn shutdown_signal() {
 /// Runs the server until SIGINT or SIGTERM, then lets in-flight requests and their
 /// transactions finish, closes the pool and removes the private namespace, if any.
 pub(crate) async fn run<K: Bank>(url: &str, options: Options) -> Result<(), Fail> {
+    if let Some(ns) = &options.namespace {
+        check_namespace(ns)?;
+    }
     let bank = K::connect(url, options.namespace.as_deref()).await?;
     if let Err(e) = bank.setup().await {
         bank.close().await?;
@@ -544,4 +566,36 @@ pub(crate) async fn run<K: Bank>(url: &str, options: Options) -> Result<(), Fail
     }
     println!("idem serve: stopped");
     served
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn namespaces_are_plain_names() {
+        assert!(check_namespace("idem_http_1").is_ok());
+        for bad in ["", "1abc", "A", "a-b", "../x", "a b", &"a".repeat(49)] {
+            let err = check_namespace(bad).err().map(|f| (f.code, f.message));
+            assert!(
+                matches!(&err, Some((2, m)) if m.contains("invalid namespace")),
+                "{bad:?}: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_openapi_document_names_every_route() {
+        let doc = ApiDoc::openapi();
+        let paths: Vec<_> = doc.paths.paths.keys().cloned().collect();
+        assert_eq!(
+            paths,
+            [
+                "/accounts/{id}",
+                "/accounts/{id}/debits",
+                "/openapi.json",
+                "/subscribers/{name}/messages/{message_id}"
+            ]
+        );
+    }
 }
