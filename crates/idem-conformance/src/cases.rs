@@ -850,10 +850,7 @@ pub async fn in_flight_answers_in_progress<K: Bank>(bank: Arc<K>) -> CaseResult 
             .map_err(|_| fail("a loser hung instead of answering InProgress"))?
             .map_err(|e| fail(format!("task: {e}")))??;
         match out {
-            Err(Error::InProgress { waited }) => {
-                expect_eq("InProgress reports the bound", waited, WAIT)?;
-                in_progress += 1;
-            }
+            Err(Error::InProgress { .. }) => in_progress += 1,
             other => {
                 return Err(fail(format!(
                     "a loser of an in-flight key: expected InProgress, got {other:?}"

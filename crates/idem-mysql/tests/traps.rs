@@ -4,6 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // test setup: fail loudly
 
+#[allow(dead_code)] // shared helpers: this file does not use every one
 mod common;
 
 use std::sync::Arc;
@@ -198,5 +199,95 @@ async fn json_text_is_stored_byte_for_byte() {
     );
     // Replaying this request exactly also needs idem-core's exact float parsing
     // (serde_json's float_roundtrip); what the engine owes is the verbatim text above.
+    db.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_expires_during_its_effect_is_refused() {
+    let db = PrivateDb::create("expired").await;
+    let idem = Idem::new(db.backend.clone());
+    let op = Operation::new("op", 1)
+        .unwrap()
+        .with_retention(Duration::from_millis(1500));
+    let scope = Scope::new(Principal::new("p").unwrap(), op);
+    let out = idem
+        .execute(
+            &scope,
+            &Key::new("slow").unwrap(),
+            &Request::new(serde_json::json!({"n": 1})),
+            |_tx| {
+                Box::pin(async {
+                    tokio::time::sleep(Duration::from_millis(2500)).await;
+                    Ok::<_, mysql_async::Error>(1)
+                })
+            },
+        )
+        .await;
+    match out {
+        Err(Error::Backend(e)) => {
+            assert!(!e.kind().is_retryable(), "{e}");
+            assert!(
+                e.to_string()
+                    .contains("the retention is shorter than the effect"),
+                "{e}"
+            );
+        }
+        other => panic!("an expired record must not commit: {other:?}"),
+    }
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM idem_request_result").await,
+        0
+    );
+    db.drop_database().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_claims_lock_wait_bound_does_not_apply_to_the_effect() {
+    let db = PrivateDb::create("lockwait").await;
+    db.exec("CREATE TABLE t (id INT PRIMARY KEY, n INT) ENGINE = InnoDB")
+        .await;
+    db.exec("INSERT INTO t VALUES (1, 0)").await;
+    // Another session holds the row the effect updates for longer than the claim's
+    // bound (1 s, the server's minimum), then commits.
+    let mut holder = db.backend.pool().get_conn().await.unwrap();
+    holder.query_drop("START TRANSACTION").await.unwrap();
+    holder
+        .query_drop("UPDATE t SET n = n + 1 WHERE id = 1")
+        .await
+        .unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        holder.query_drop("COMMIT").await.unwrap();
+        drop(holder);
+    });
+    // One attempt: a lock wait timeout in the effect would not be hidden by a retry.
+    let idem = Idem::new(db.backend.clone())
+        .with_wait_timeout(Duration::from_millis(100))
+        .with_retry(idem_core::RetryPolicy {
+            max_attempts: 1,
+            ..idem_core::RetryPolicy::default()
+        });
+    let out = tokio::time::timeout(
+        HANG_GUARD,
+        idem.execute(
+            &scope(),
+            &Key::new("k").unwrap(),
+            &Request::new(serde_json::json!({"n": 1})),
+            |tx| {
+                Box::pin(async move {
+                    tx.query_drop("UPDATE t SET n = n + 1 WHERE id = 1").await?;
+                    let n: Option<i64> = tx.query_first("SELECT n FROM t WHERE id = 1").await?;
+                    Ok::<_, mysql_async::Error>(n.unwrap_or(-1))
+                })
+            },
+        ),
+    )
+    .await
+    .unwrap();
+    assert!(
+        matches!(out, Ok(Outcome::Executed(2))),
+        "the effect waits with the session's innodb_lock_wait_timeout, not the claim's: {out:?}"
+    );
+    release.await.unwrap();
     db.drop_database().await;
 }

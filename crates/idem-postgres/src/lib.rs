@@ -18,9 +18,11 @@
 //! milliseconds, rounded up, at least 1 ms; bound as a parameter through
 //! `set_config('lock_timeout', $1, true)`). A claim still waiting for a concurrent holder
 //! of the same identity when it elapses gets SQLSTATE 55P03; the backend rolls back and
-//! answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not retried). Once the
-//! claim is won, `SET LOCAL lock_timeout TO DEFAULT` gives the effect the session's
-//! default back, so the bound never applies to the effect's own statements.
+//! answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not retried). The same
+//! statement reads the session's own value first; once the claim is won it is set back
+//! (transaction-locally), so the bound never applies to the effect's own statements,
+//! whatever set the session's value (configuration, role, startup options, or a `SET`
+//! on the pooled connection).
 //!
 //! # Retention in the row, exact JSON
 //!
@@ -327,14 +329,15 @@ impl Backend for PgBackend {
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<PgTx>, DbError> {
         let mut tx = self.pool.begin().await.map_err(db_error)?;
         let claimed = async {
-            sqlx::query(sql::SET_LOCK_TIMEOUT)
+            let (session_value, _): (String, String) = sqlx::query_as(sql::SET_LOCK_TIMEOUT)
                 .bind(lock_timeout(claim.wait))
-                .execute(&mut *tx)
+                .fetch_one(&mut *tx)
                 .await
                 .map_err(db_error)?;
             let found = claim_in(&mut tx, claim).await?;
             if found.is_none() {
-                sqlx::query(sql::RESET_LOCK_TIMEOUT)
+                sqlx::query(sql::RESTORE_LOCK_TIMEOUT)
+                    .bind(session_value)
                     .execute(&mut *tx)
                     .await
                     .map_err(db_error)?;

@@ -123,11 +123,16 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
 
-/// Bounds the claim's lock waits for this transaction only (`SET LOCAL`). Params: the
-/// bound, as text (`"500ms"`).
-pub(crate) const SET_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', $1, true)";
-/// Gives the effect the session's default `lock_timeout` back once the claim is won.
-pub(crate) const RESET_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout TO DEFAULT";
+/// Bounds the claim's lock waits for this transaction only (`is_local`), and returns
+/// the value the effect must get back (the session's, whatever set it: configuration,
+/// role, startup options or a `SET` on the pooled connection). The `MATERIALIZED` CTE
+/// reads it before `set_config` runs. Params: the bound, as text (`"500ms"`).
+pub(crate) const SET_LOCK_TIMEOUT: &str = "WITH old AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v) \
+     SELECT old.v, set_config('lock_timeout', $1, true) FROM old";
+/// Gives the effect the session's `lock_timeout` back once the claim is won (still
+/// transaction-local: the session keeps its value after the transaction). Params: the
+/// value [`SET_LOCK_TIMEOUT`] returned.
+pub(crate) const RESTORE_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', $1, true)";
 
 /// Serializes concurrent migrators of one schema.
 pub(crate) const MIGRATION_LOCK: &str =
@@ -155,7 +160,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
     ("set_lock_timeout", SET_LOCK_TIMEOUT),
-    ("reset_lock_timeout", RESET_LOCK_TIMEOUT),
+    ("restore_lock_timeout", RESTORE_LOCK_TIMEOUT),
     ("migration_lock", MIGRATION_LOCK),
     ("create_migrations", CREATE_MIGRATIONS),
     ("select_migrations", SELECT_MIGRATIONS),

@@ -8,6 +8,32 @@
 //!   just before `COMMIT` (no placeholder is ever written).
 //! - Waiting writers use a busy timeout (5 s by default) and the protocol's bounded,
 //!   jittered retry on `SQLITE_BUSY`.
+//! - **Bounded waits.** SQLite has one writer at a time, so a claim waits for the write
+//!   lock whatever key holds it. The claim's busy wait (and its wait for a pooled
+//!   connection) is bounded by [`Claim::wait`] (at most the busy timeout). When it
+//!   elapses, the claim answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not
+//!   retried) only when this backend (or a clone of it) knows the same identity is
+//!   claimed by one of its open transactions (an in-process set of claimed
+//!   identities); otherwise the writer is busy with other keys, or another process holds
+//!   the lock, and the error stays the retryable `Busy`.
+//! - **Retention in the row.** The claim reads the database clock once (after `BEGIN
+//!   IMMEDIATE`); the record is written with `created_at` = that moment and
+//!   `expires_at` = that moment + the operation's retention (migration 0002; before it,
+//!   the window started at completion). Lookups and claims read `expires_at`;
+//!   `purge_batch(table, older_than, limit)` deletes records that are expired **and**
+//!   claimed at least `older_than` ago. A record whose window ended while its effect ran
+//!   is not written: the transaction rolls back with a non-retried error saying the
+//!   retention is shorter than the effect.
+//! - **Durability.** `synchronous=FULL` by default: an acknowledged commit survives a
+//!   power loss. [`Synchronous::Normal`] (faster in WAL mode, may lose the last commits
+//!   on power loss) only through [`SqliteOptions::synchronous`].
+//! - **In-memory databases** (`sqlite::memory:`) have one connection. A cancelled call
+//!   (a timeout, a dropped handler) or a panicking effect rolls that connection's
+//!   transaction back and keeps it: the database is never wiped. Inside an effect, run
+//!   SQL with [`SqliteTx::run`]: [`SqliteBackend::interact`] (or a nested idem call)
+//!   from the effect's own task is refused at once with a
+//!   [`ErrorKind::Configuration`] error, and from any other task it waits at most the
+//!   busy timeout, then fails with `Busy` (never a deadlock).
 //! - rusqlite is blocking: every call runs on tokio's blocking pool
 //!   ([`tokio::task::spawn_blocking`]), never on the async worker threads. Effects get
 //!   a [`SqliteTx`] and run their SQL with [`SqliteTx::run`].
@@ -207,15 +233,25 @@ impl Manager for Sqlite {
 /// The identities this backend's open transactions have claimed (shared by clones).
 type InFlight = Arc<Mutex<HashSet<IdOwned>>>;
 
-/// Removes a won identity from the in-flight set when its transaction ends.
+/// The tokio task whose open idem transaction holds an in-memory database's only
+/// connection (shared by clones).
+type Holder = Arc<Mutex<Option<tokio::task::Id>>>;
+
+/// Removes a won identity from the in-flight set (and clears the holder) when its
+/// transaction ends.
 struct InFlightGuard {
     in_flight: InFlight,
     id: IdOwned,
+    holder: Holder,
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
         lock(&self.in_flight).remove(&self.id);
+        *self
+            .holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 }
 
@@ -230,6 +266,7 @@ fn lock(set: &InFlight) -> std::sync::MutexGuard<'_, HashSet<IdOwned>> {
 pub struct SqliteBackend {
     pool: BlockingPool<Sqlite>,
     in_flight: InFlight,
+    holder: Holder,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -285,6 +322,7 @@ impl SqliteBackend {
         let backend = Self {
             pool: BlockingPool::new(manager, max),
             in_flight: InFlight::default(),
+            holder: Holder::default(),
         };
         // Open one connection now so a bad path fails here, not on first use.
         backend.interact(|_| Ok(())).await?;
@@ -317,6 +355,22 @@ impl SqliteBackend {
         let manager = self.pool.manager();
         if manager.location != Location::Memory {
             return self.pool.lease().await;
+        }
+        let current = tokio::task::try_id();
+        let held_by = *self
+            .holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.is_some() && current == held_by {
+            // The caller is the effect of the transaction that holds the only
+            // connection: waiting would never end.
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::Configuration,
+                "SqliteBackend::interact (or another idem call) was used inside an effect on an \
+                 in-memory database: its only connection is the effect's own transaction. Run \
+                 the effect's SQL with SqliteTx::run",
+            ));
         }
         let wait = manager.busy_timeout;
         match tokio::time::timeout(wait, self.pool.lease()).await {
@@ -597,12 +651,19 @@ impl Backend for SqliteBackend {
             Ok(Ok(stored)) => Ok(Claimed::Found(stored)),
             Ok(Err(claimed_at)) => {
                 lock(&self.in_flight).insert(id.clone());
+                if self.pool.manager().location == Location::Memory {
+                    *self
+                        .holder
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
+                }
                 Ok(Claimed::Won(SqliteTx {
                     lease,
                     claimed_at,
                     _claimed: InFlightGuard {
                         in_flight: Arc::clone(&self.in_flight),
                         id,
+                        holder: Arc::clone(&self.holder),
                     },
                 }))
             }
