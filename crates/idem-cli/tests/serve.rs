@@ -103,11 +103,23 @@ impl Server {
 }
 
 impl Drop for Server {
+    /// After a failed assertion: SIGTERM first, so the server still removes its private
+    /// namespace; SIGKILL only if it has not stopped within the guard.
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return;
         }
+        let pid = self.child.id().to_string();
+        let _ = Command::new("kill").args(["-TERM", &pid]).status();
+        let deadline = std::time::Instant::now() + GUARD;
+        while std::time::Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
 
@@ -529,7 +541,13 @@ impl SqliteDir {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert!(left.is_empty(), "shutdown left {left:?} behind");
-        std::fs::remove_dir(&self.0).unwrap();
+    }
+}
+
+impl Drop for SqliteDir {
+    /// The directory is this test's own; a failed test must not leave it behind either.
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
     }
 }
 
