@@ -28,7 +28,7 @@ step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
 step "each engine feature on its own (what a user picking one engine compiles)"
-cargo clippy --locked -p idem --no-default-features -- -D warnings
+cargo clippy --locked -p idem-db --no-default-features -- -D warnings
 for feature in sqlite postgres mysql mssql oracle; do
   cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
 done
@@ -70,6 +70,11 @@ for engine in sqlite postgres mysql; do
   step "HTTP: idem serve through reqwest on $engine (docs/http.md)"
   cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
 done
+
+if wants postgres && wants mysql; then
+  step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
+  cargo test --locked -p idem-cli --all-features --test cli
+fi
 
 step "the README's walkthrough"
 demo_dir=$(mktemp -d)

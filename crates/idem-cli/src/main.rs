@@ -1,4 +1,4 @@
-//! `idem`: the seed's walkthrough, migrations, purges, conformance checks and benchmarks,
+//! `idem`: the walkthrough, migrations, purges, conformance checks and benchmarks,
 //! on an embedded SQLite by default and on any compiled-in engine by URL.
 
 mod bench;
@@ -17,17 +17,34 @@ pub(crate) use fail::Fail;
 /// The default database: a SQLite file in the current directory.
 const DEFAULT_URL: &str = "sqlite://idem.db";
 
+/// The URL a command that works on existing data (`check`, `purge`, `bench`) needs: given
+/// with `--url` or `IDEM_URL`, never the default, so that a forgotten URL does not
+/// create an empty `idem.db` in the current directory and report on it.
+fn explicit_url<'a>(url: Option<&'a str>, command: &str) -> Result<&'a str, Fail> {
+    url.ok_or_else(|| {
+        Fail::new(
+            fail::INVALID_INPUT,
+            format!(
+                "`idem {command}` needs the database it works on: pass --url (or set IDEM_URL), \
+                 for example --url postgres://user@host/db or --url sqlite://idem.db"
+            ),
+        )
+    })
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "idem",
     version,
-    about = "Safe retries of database writes: idempotency records on five SQL engines"
+    about = "Safe retries of database writes: idempotency records on five SQL engines",
+    after_help = fail::EXIT_CODES_HELP
 )]
 struct Cli {
     /// Database URL: sqlite::memory:, sqlite://idem.db, sqlite:///abs/path.db,
-    /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://…
-    #[arg(long, global = true, env = "IDEM_URL", default_value = DEFAULT_URL)]
-    url: String,
+    /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://… [default: sqlite://idem.db,
+    /// except for check, purge and bench, which require it]
+    #[arg(long, global = true, env = "IDEM_URL")]
+    url: Option<String>,
 
     #[command(subcommand)]
     command: Command,
@@ -35,13 +52,13 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the seed's walkthrough (debit twice, reused key, duplicate insert, failed debit,
-    /// message consumer) in a private namespace that is removed afterwards.
+    /// Run the walkthrough (debit twice, reused key, duplicate insert, failed debit,
+    /// message consumer) in a private schema, database or file that is removed afterwards.
     Demo,
     /// Apply idem's migrations to the database.
     Migrate,
-    /// Run the conformance cases against the database and print what held and what was seen.
-    /// Each case creates and drops a private namespace (schema, database, file or user).
+    /// Run the conformance checks against the database and print what held and what was seen.
+    /// Each check creates and drops its own schema, database, file or user.
     Check {
         /// Also write the report as JSON (input for `idem docs`).
         #[arg(long)]
@@ -67,7 +84,7 @@ enum Command {
     },
     /// One idempotent debit: prints the JSON response; says on stderr whether it executed or
     /// replayed. Exit codes: 3 key reused with a different request, 4 insufficient balance,
-    /// 5 no such account, 2 invalid input.
+    /// 5 no such account, 2 invalid input (all codes: `idem --help`).
     Debit {
         /// The account to debit.
         #[arg(long)]
@@ -103,7 +120,7 @@ enum Command {
         #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         iterations: u32,
     },
-    /// Serve the seed's bank over HTTP with Idempotency-Key (see docs/http.md): PUT/GET
+    /// Serve the demo bank over HTTP with Idempotency-Key (see docs/http.md): PUT/GET
     /// /accounts/{id}, POST /accounts/{id}/debits (bearer principal), POST
     /// /subscribers/{name}/messages/{message_id}, GET /openapi.json. Stops on SIGINT or
     /// SIGTERM after in-flight requests finish.
@@ -111,9 +128,10 @@ enum Command {
         /// The address to listen on (port 0 picks a free one; the address is printed).
         #[arg(long, default_value = "127.0.0.1:8080")]
         listen: std::net::SocketAddr,
-        /// Work in a private namespace (schema, database or file) created now and removed
-        /// at shutdown: for tests and throwaway demos. Lowercase letters, digits and `_`.
-        #[arg(long)]
+        /// Work in a private schema, database or file of this name, created now and removed
+        /// at shutdown: for tests and throwaway demos. A lowercase letter, then lowercase
+        /// letters, digits or `_`.
+        #[arg(long, value_name = "NAME")]
         namespace: Option<String>,
         /// How long a request waits for a concurrent request with the same key before
         /// answering 409 with Retry-After.
@@ -124,18 +142,19 @@ enum Command {
         #[arg(long, value_parser = commands::parse_duration)]
         debit_delay: Option<std::time::Duration>,
     },
-    /// Generate docs/engines.md from `idem check --json` reports.
+    /// Generate the engine comparison (docs/engines.md) from `idem check --json` reports.
     Docs {
         /// Report files written by `idem check --json`.
         #[arg(long = "report", required = true)]
         reports: Vec<PathBuf>,
-        /// Where to write the Markdown.
-        #[arg(long, default_value = "docs/engines.md")]
-        out: PathBuf,
+        /// Where to write the Markdown (the repository keeps it in docs/engines.md);
+        /// without it, the Markdown goes to standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
-/// Runs `$body` with `$K` bound to the fixture type of the URL's engine.
+/// Runs `$body` with `$K` bound to the test bank type of the URL's engine.
 macro_rules! with_bank {
     ($url:expr, $K:ident => $body:expr) => {{
         match idem::Engine::from_url($url)? {
@@ -171,14 +190,18 @@ macro_rules! with_bank {
 }
 
 async fn run(cli: Cli) -> Result<(), Fail> {
-    let url = cli.url.as_str();
+    let url = cli.url.as_deref().unwrap_or(DEFAULT_URL);
     match cli.command {
         Command::Demo => with_bank!(url, K => demo::run::<K>(url).await),
         Command::Migrate => commands::migrate(url).await,
         Command::Check { json } => {
+            let url = explicit_url(cli.url.as_deref(), "check")?;
             with_bank!(url, K => commands::check::<K>(url, json.as_deref()).await)
         }
-        Command::Purge { older_than, batch } => commands::purge(url, older_than, batch).await,
+        Command::Purge { older_than, batch } => {
+            let url = explicit_url(cli.url.as_deref(), "purge")?;
+            commands::purge(url, older_than, batch).await
+        }
         Command::Account { id, balance } => {
             with_bank!(url, K => commands::account::<K>(url, id, balance).await)
         }
@@ -199,7 +222,11 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             with_bank!(url, K => commands::credit_message::<K>(url, &subscriber, &message_id, account, amount).await)
         }
         Command::Bench { iterations } => {
-            with_bank!(url, K => bench::run::<K>(url, iterations).await)
+            let url = explicit_url(cli.url.as_deref(), "bench")?;
+            with_bank!(url, K => {
+                commands::probe::<K>(url).await?;
+                bench::run::<K>(url, iterations).await
+            })
         }
         Command::Serve {
             listen,
@@ -215,7 +242,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             };
             with_bank!(url, K => serve::run::<K>(url, options).await)
         }
-        Command::Docs { reports, out } => commands::docs(&reports, &out),
+        Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
     }
 }
 

@@ -143,7 +143,7 @@ struct Debit {
     amount: i64,
 }
 
-/// A debit's stored response, as in the seed.
+/// A debit's stored response: the balance right after it.
 #[derive(Debug, Serialize, Deserialize, ToSchema)]
 struct BalanceBody {
     /// The balance right after this debit (a replay returns it as stored).
@@ -406,7 +406,7 @@ impl Modify for BearerScheme {
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "idem serve: the seed's bank over HTTP", description = "Idempotent debits with the Idempotency-Key header, on any SQL engine idem supports. See docs/http.md."),
+    info(title = "idem serve: the demo bank over HTTP", description = "Idempotent debits with the Idempotency-Key header, on any SQL engine idem supports. See docs/http.md."),
     paths(put_account, get_account, post_debit, post_message, openapi),
     components(schemas(Account, SetBalance, Debit, BalanceBody, Message, MessageOutcome, ProblemBody)),
     modifiers(&BearerScheme)

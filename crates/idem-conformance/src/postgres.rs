@@ -102,7 +102,7 @@ impl Bank for PgBank {
         claim: "`INSERT … ON CONFLICT DO NOTHING`, then a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT`",
         key_columns: "`text COLLATE \"C\"` (byte order and equality)",
         json_storage: "`text`, kept verbatim (not `jsonb`, which rewrites numbers and refuses `\\u0000`)",
-        retried: "40001 serialization failure, 40P01 deadlock",
+        retried: "40001 serialization failure, 40P01 deadlock; a claim's 55P03 after `lock_timeout` = the wait bound answers InProgress instead",
         concurrent_sessions: true,
         versions: "PostgreSQL 15 (tested live here); written for 15–18",
     };

@@ -408,23 +408,15 @@ impl Backend for PgBackend {
                 subscriber,
                 message_id,
             } => {
-                let (s, m) = (subscriber.as_str(), message_id.as_str());
-                let checked = sqlx::query(sql::CHECK_MESSAGE)
-                    .bind(s)
-                    .bind(m)
-                    .execute(&mut *tx)
+                let expired: Option<bool> = sqlx::query_scalar(sql::EXPIRED_MESSAGE)
+                    .bind(subscriber.as_str())
+                    .bind(message_id.as_str())
+                    .fetch_optional(&mut *tx)
                     .await
-                    .map_err(db_error)?
-                    .rows_affected();
-                if checked == 1 {
+                    .map_err(db_error)?;
+                if expired == Some(false) {
                     Ok(())
                 } else {
-                    let expired: Option<bool> = sqlx::query_scalar(sql::EXPIRED_MESSAGE)
-                        .bind(s)
-                        .bind(m)
-                        .fetch_optional(&mut *tx)
-                        .await
-                        .map_err(db_error)?;
                     Err(not_completed(expired))
                 }
             }
@@ -439,9 +431,21 @@ impl Backend for PgBackend {
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        // The driver's error, or the database error inside it: an effect error that wraps
+        // sqlx's with `#[error(transparent)]` exposes only the latter as its source.
+        if let Some(e) = error.downcast_ref::<sqlx::Error>() {
+            return Some(error_codes::classify(e));
+        }
+        // sqlx's `Error::Database` gives its boxed database error as its source.
+        if let Some(e) = error.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>() {
+            return Some(
+                e.code()
+                    .map_or(ErrorKind::Other, |c| error_codes::kind_of(&c)),
+            );
+        }
         error
-            .downcast_ref::<sqlx::Error>()
-            .map(error_codes::classify)
+            .downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .map(|e| error_codes::kind_of(e.code()))
     }
 }
 

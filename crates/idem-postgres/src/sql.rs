@@ -88,14 +88,9 @@ pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = concat!(
     message_pk!(),
     " AND expires_at <= now.t"
 );
-/// Before a message's commit: the claimed row is still in this transaction and has not
-/// expired while the effect ran (one row, or the commit is refused).
-pub(crate) const CHECK_MESSAGE: &str = concat!(
-    "UPDATE idem_processed_message SET expires_at = expires_at WHERE ",
-    message_pk!(),
-    " AND expires_at > clock_timestamp()"
-);
-/// Why a message check found no row: `Some(true)` when the record expired.
+/// Before a message's commit: `true` while the claimed row is live, `false` when it
+/// expired while the effect ran, no row when it is gone (the effect ended the
+/// transaction). A plain read: the transaction sees its own row.
 pub(crate) const EXPIRED_MESSAGE: &str = concat!(
     "SELECT expires_at <= clock_timestamp() FROM idem_processed_message WHERE ",
     message_pk!()
@@ -154,7 +149,6 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_message", INSERT_MESSAGE),
     ("select_message", SELECT_MESSAGE),
     ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
-    ("check_message", CHECK_MESSAGE),
     ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),

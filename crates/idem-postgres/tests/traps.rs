@@ -275,3 +275,32 @@ async fn the_effect_gets_the_sessions_own_lock_timeout_back() {
     session.pool().close().await;
     drop_private(admin, backend, schema).await;
 }
+
+#[tokio::test]
+async fn a_consumer_effect_that_ends_the_transaction_is_not_applied() {
+    let (admin, backend, schema) = private("msgrollback").await;
+    let idem = Idem::new(backend.clone());
+    let out = idem
+        .consume(
+            &idem_core::Subscriber::new("s").unwrap(),
+            &idem_core::MessageId::new("m").unwrap(),
+            None,
+            |tx| {
+                Box::pin(async move {
+                    sqlx::query("ROLLBACK").execute(&mut **tx).await?;
+                    Ok::<_, sqlx::Error>(())
+                })
+            },
+        )
+        .await;
+    assert!(
+        matches!(&out, Err(Error::Backend(e)) if e.to_string().contains("ended inside the effect")),
+        "the message ID was not recorded, so this must not be Applied: {out:?}"
+    );
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_processed_message")
+        .fetch_one(backend.pool())
+        .await
+        .unwrap();
+    assert_eq!(n, 0);
+    drop_private(admin, backend, schema).await;
+}

@@ -736,9 +736,13 @@ impl Backend for SqliteBackend {
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        if let Some(e) = error.downcast_ref::<rusqlite::Error>() {
+            return Some(error_codes::classify(e));
+        }
+        // What a `transparent` wrapper of rusqlite's error exposes as its source.
         error
-            .downcast_ref::<rusqlite::Error>()
-            .map(error_codes::classify)
+            .downcast_ref::<rusqlite::ffi::Error>()
+            .map(|e| error_codes::kind_of(e.extended_code))
     }
 }
 
