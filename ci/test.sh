@@ -2,7 +2,8 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), and the README's walkthrough on each required engine.
+# name otherwise), `idem serve` through a real HTTP client on each required engine, and the
+# README's walkthrough on each required engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -80,6 +81,12 @@ for engine in sqlite postgres mysql; do
 done
 step "least privilege: every engine's grants.sql names existing, non-key columns (offline)"
 cargo test --locked -p idem-tests --all-features --test least_privilege -- grants_scripts
+
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  step "HTTP: idem serve through reqwest on $engine (docs/http.md)"
+  cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
+done
 
 if wants sqlite && wants postgres && wants mysql; then
   step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"

@@ -6,6 +6,9 @@ pub use idem_core::{
     MessageId, Operation, Outcome, Principal, PurgeReport, Request, RetryPolicy, Scope, Subscriber,
 };
 
+/// HTTP `Idempotency-Key` for axum (feature `axum`): see `docs/http.md`.
+#[cfg(feature = "axum")]
+pub use idem_axum as axum;
 #[cfg(feature = "mssql")]
 pub use idem_mssql as mssql;
 #[cfg(feature = "mysql")]
