@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 export IDEM_POSTGRES_URL=${IDEM_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export IDEM_MYSQL_URL=${IDEM_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# A clean run gains nothing from incremental caches, which take gigabytes of disk.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # Which engines this run requires (the container matrix narrows it per job).
 IDEM_ENGINES=${IDEM_ENGINES:-"sqlite postgres mysql"}
 
