@@ -14,6 +14,7 @@
 
 mod backend;
 pub mod blocking;
+pub mod claim;
 mod effect;
 mod error;
 mod ident;
