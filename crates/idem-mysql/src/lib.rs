@@ -148,6 +148,7 @@ use std::time::Duration;
 
 use tokio::sync::OnceCell;
 
+use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
     Stored, Table,
@@ -183,10 +184,6 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 40;
 
 /// How long `migrate` waits for another migrator of the same database, in seconds.
 const MIGRATION_LOCK_TIMEOUT_SECS: u32 = 60;
-
-/// How often a claim re-tries inside one transaction when the conflicting record
-/// vanished (purged) or was replaced under it.
-const CLAIM_ROUNDS: usize = 3;
 
 /// Retention windows are capped at 500 years, so that `UTC_TIMESTAMP(6) - INTERVAL`
 /// stays inside `DATETIME`'s range (a longer window would compute `NULL`).
@@ -468,53 +465,122 @@ fn lock_wait_secs(wait: Duration) -> u64 {
         .unwrap_or(1_073_741_824)
 }
 
-/// Claims inside `tx`: `Ok(None)` when this transaction won, `Ok(Some(stored))` for a
-/// committed, live record.
-async fn claim_in(
-    tx: &mut Transaction<'static>,
-    target: &Target<'_>,
-    micros: i64,
-) -> Result<Option<Stored>, DbError> {
-    for _ in 0..CLAIM_ROUNDS {
-        match tx
-            .exec_drop(
-                target.insert,
-                target.params(vec![], vec![target.request_value(), micros.into()]),
-            )
+/// A claim's open transaction (its `innodb_lock_wait_timeout` bounded by the wait).
+#[derive(Debug)]
+pub struct MysqlOpen {
+    tx: Transaction<'static>,
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is
+/// error 1062 on a plain `INSERT`, and the re-read is a locking read.
+impl ClaimSteps for MysqlBackend {
+    type Open = MysqlOpen;
+    type Won = MysqlTx;
+
+    fn engine(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
+    }
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MysqlOpen>, DbError> {
+        self.check_packet("request", claim.request).await?;
+        let tx = self
+            .pool
+            .start_transaction(TxOpts::default())
             .await
-        {
-            Ok(()) => return Ok(None),
-            Err(e) if is_duplicate(&e) => {}
-            Err(e) => return Err(db_error(e)),
+            .map_err(db_error)?;
+        let mut open = MysqlOpen { tx };
+        let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
+        match open.tx.query_drop(bound).await {
+            Ok(()) => Ok(Begun::Open(open)),
+            Err(e) => {
+                let _ = self.rollback(open).await;
+                Err(db_error(e))
+            }
         }
-        let row: Option<Row> = tx
+    }
+
+    async fn insert(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
+        let target = Target::of(claim);
+        let micros = window_micros(claim.retention);
+        let params = target.params(vec![], vec![target.request_value(), micros.into()]);
+        match open.tx.exec_drop(target.insert, params).await {
+            Ok(()) => Ok(true),
+            Err(e) if is_duplicate(&e) => Ok(false),
+            Err(e) => Err(db_error(e)),
+        }
+    }
+
+    async fn reread(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
+        let target = Target::of(claim);
+        let row: Option<Row> = open
+            .tx
             .exec_first(target.select, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         let Some(row) = row else {
-            // Deleted (purged) between the INSERT and the read: claim again.
-            continue;
+            return Ok(Existing::Vanished);
         };
-        let (stored, expired) = target.read(row, true)?;
-        if !expired {
-            return Ok(Some(stored));
-        }
-        tx.exec_drop(
-            target.replace,
-            target.params(vec![target.request_value(), micros.into()], vec![]),
-        )
-        .await
-        .map_err(db_error)?;
-        if tx.affected_rows() == 1 {
-            return Ok(None);
-        }
-        // Replaced by another claimant in between: claim again.
+        Ok(match target.read(row, true)? {
+            (_, true) => Existing::Expired,
+            (stored, false) => Existing::Live(stored),
+        })
     }
-    Err(DbError::new(
-        ENGINE,
-        ErrorKind::Transient,
-        "the conflicting record kept changing during the claim",
-    ))
+
+    async fn replace_expired(
+        &self,
+        open: &mut MysqlOpen,
+        claim: &Claim<'_>,
+    ) -> Result<bool, DbError> {
+        let target = Target::of(claim);
+        let micros = window_micros(claim.retention);
+        let params = target.params(vec![target.request_value(), micros.into()], vec![]);
+        open.tx
+            .exec_drop(target.replace, params)
+            .await
+            .map_err(db_error)?;
+        Ok(open.tx.affected_rows() == 1)
+    }
+
+    async fn ready(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<(), DbError> {
+        // The effect (and the pooled session) keep their own lock-wait timeout.
+        open.tx
+            .query_drop(sql::RESTORE_LOCK_WAIT)
+            .await
+            .map_err(db_error)?;
+        if Target::of(claim).is_request {
+            return Ok(());
+        }
+        // The savepoint the completion checks: the message claim is still in this
+        // transaction.
+        open.tx
+            .query_drop(sql::SAVEPOINT_CLAIMED)
+            .await
+            .map_err(db_error)
+    }
+
+    fn won(&self, open: MysqlOpen, _claim: &Claim<'_>) -> MysqlTx {
+        MysqlTx { tx: open.tx }
+    }
+
+    async fn rollback(&self, open: MysqlOpen) -> Result<(), DbError> {
+        let mut tx = open.tx;
+        let restored = tx
+            .query_drop(sql::RESTORE_LOCK_WAIT)
+            .await
+            .map_err(db_error);
+        // A failed ROLLBACK drops the connection.
+        let ended = tx.rollback().await.map_err(db_error);
+        restored.and(ended)
+    }
+
+    fn waited_too_long(&self, error: &DbError) -> bool {
+        // A concurrent holder kept the identity past the wait bound.
+        error.code() == Some("1205")
+    }
 }
 
 /// The error of a completion whose record expired while the effect ran.
@@ -593,41 +659,7 @@ impl Backend for MysqlBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MysqlTx>, DbError> {
-        self.check_packet("request", claim.request).await?;
-        let target = Target::of(claim);
-        let micros = window_micros(claim.retention);
-        let mut tx = self
-            .pool
-            .start_transaction(TxOpts::default())
-            .await
-            .map_err(db_error)?;
-        let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
-        let claimed = match tx.query_drop(bound).await {
-            Ok(()) => claim_in(&mut tx, &target, micros).await,
-            Err(e) => Err(db_error(e)),
-        };
-        // The effect (and the pooled session) keep their own lock-wait timeout.
-        let restored = tx
-            .query_drop(sql::RESTORE_LOCK_WAIT)
-            .await
-            .map_err(db_error);
-        match (claimed, restored) {
-            (Ok(None), Ok(())) if target.is_request => Ok(Claimed::Won(MysqlTx { tx })),
-            (Ok(None), Ok(())) => match tx.query_drop(sql::SAVEPOINT_CLAIMED).await {
-                Ok(()) => Ok(Claimed::Won(MysqlTx { tx })),
-                Err(e) => Err(abort(tx, db_error(e)).await),
-            },
-            (Ok(Some(stored)), Ok(())) => {
-                tx.rollback().await.map_err(db_error)?;
-                Ok(Claimed::Found(stored))
-            }
-            (Err(e), _) if e.code() == Some("1205") => {
-                // A concurrent holder kept the identity past the wait bound.
-                let _ = tx.rollback().await;
-                Ok(Claimed::InFlight)
-            }
-            (Err(e), _) | (Ok(_), Err(e)) => Err(abort(tx, e).await),
-        }
+        claim::run(self, claim).await
     }
 
     async fn finish(&self, tx: MysqlTx, claim: &Claim<'_>, end: Finish<'_>) -> Result<(), DbError> {
