@@ -153,6 +153,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
     Backend, BoxFuture, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance,
     Migration, Status, Stored, Table,
@@ -186,10 +187,6 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/mssql/0002_expiry.sql"),
     },
 ];
-
-/// How often a claim re-tries inside one transaction when the conflicting record
-/// vanished (purged) or was replaced between the INSERT and the re-read.
-const CLAIM_ROUNDS: usize = 3;
 
 /// The longest retention expressed exactly: 700,000 days (about 1,916 years). Longer
 /// ones are treated as this, which keeps `DATEADD` inside `datetime2`'s range.
@@ -355,15 +352,6 @@ fn not_completed(expired: Option<i32>) -> DbError {
     }
 }
 
-/// What one claim round found.
-enum Round {
-    Won,
-    Found(Stored),
-    /// The conflicting row is not visible (purged, or outside a SNAPSHOT transaction's
-    /// snapshot), or an expired row was replaced first.
-    Again,
-}
-
 impl MssqlBackend {
     /// Connects by URL or ADO.NET connection string (see [`MssqlOptions::parse`]) and
     /// opens one connection now, so a wrong address or login fails here.
@@ -416,110 +404,215 @@ impl MssqlBackend {
         let _ = lease.rollback().await;
         error
     }
+}
 
-    async fn claim_round(
-        lease: &mut Lease,
-        ids: &Ids<'_>,
-        claim: &Claim<'_>,
-    ) -> Result<Round, DbError> {
-        let (days, secs, micros) = cutoff_parts(claim.retention);
-        let request = claim.request;
-        let inserted = match ids {
-            Ids::Request {
-                principal,
-                operation,
-                key,
-            } => {
-                lease
-                    .execute(
-                        sql::INSERT_REQUEST,
-                        &[
-                            principal,
-                            operation,
-                            key,
-                            &request.unwrap_or_default(),
-                            &days,
-                            &secs,
-                            &micros,
-                        ],
-                    )
-                    .await
-            }
-            Ids::Message {
-                subscriber,
-                message_id,
-            } => {
-                lease
-                    .execute(
-                        sql::INSERT_MESSAGE,
-                        &[subscriber, message_id, &request, &days, &secs, &micros],
-                    )
-                    .await
+/// A claim's open transaction on a pooled session, with the session's own
+/// `LOCK_TIMEOUT` to give back (-1: no limit).
+pub struct MssqlOpen {
+    lease: Lease,
+    session_lock_timeout: i32,
+}
+
+impl fmt::Debug for MssqlOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MssqlOpen").finish_non_exhaustive()
+    }
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is
+/// error 2627/2601 on a plain `INSERT`; under `SNAPSHOT` the re-read may miss the winner,
+/// so a round that finds nothing ends the transaction and the retry starts a new one.
+impl ClaimSteps for MssqlBackend {
+    type Open = MssqlOpen;
+    type Won = MssqlTx;
+
+    fn engine(&self) -> &'static str {
+        ENGINE
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
+            .reread_may_miss_winner(self.pool.options.isolation == Isolation::Snapshot)
+    }
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MssqlOpen>, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let begin = begin_batch(self.pool.options.isolation, claim.wait);
+        let row = match lease.begin(&begin).await {
+            Ok(row) => row,
+            Err(e) => {
+                let e = db_error_in("beginning the claim's transaction", e);
+                return Err(self.rollback_after(lease, e).await);
             }
         };
-        match inserted {
-            Ok(_) => return Ok(Round::Won),
-            Err(e) if error_codes::classify(&e) == ErrorKind::UniqueViolation => {}
-            Err(e) => return Err(db_error_in("claiming the key", e)),
+        let before = row
+            .as_ref()
+            .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+        if before != Some(0) {
+            // Never reuse a session whose transaction state is not idem's.
+            lease.discard();
+            let e = DbError::new(
+                ENGINE,
+                ErrorKind::Other,
+                format!(
+                    "the pooled session was already inside a transaction \
+                     (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
+                     SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
+                     discarded and nothing ran"
+                ),
+            );
+            return Err(self.rollback_after(lease, e).await);
         }
+        let session_lock_timeout = row
+            .as_ref()
+            .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
+            .unwrap_or(-1);
+        Ok(Begun::Open(MssqlOpen {
+            lease,
+            session_lock_timeout,
+        }))
+    }
+
+    async fn insert(&self, open: &mut MssqlOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
+        let inserted = claim_write(
+            &mut open.lease,
+            claim,
+            sql::INSERT_REQUEST,
+            sql::INSERT_MESSAGE,
+        )
+        .await;
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if error_codes::classify(&e) == ErrorKind::UniqueViolation => Ok(false),
+            Err(e) => Err(db_error_in("claiming the key", e)),
+        }
+    }
+
+    async fn reread(&self, open: &mut MssqlOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
         let reread = |e| db_error_in("re-reading the conflicting record", e);
-        let replace = |e| db_error_in("replacing an expired record", e);
-        match ids {
+        let (row, expired_column) = match Ids::of(claim) {
             Ids::Request {
                 principal,
                 operation,
                 key,
-            } => {
-                let row = lease
-                    .query_row(sql::SELECT_REQUEST, &[principal, operation, key])
+            } => (
+                open.lease
+                    .query_row(sql::SELECT_REQUEST, &[&principal, &operation, &key])
                     .await
-                    .map_err(reread)?;
-                let Some(row) = row else {
-                    return Ok(Round::Again);
-                };
-                if !expired(&row, 3)? {
-                    return Ok(Round::Found(stored_request(&row)?));
-                }
-                let n = lease
-                    .execute(
-                        sql::REPLACE_EXPIRED_REQUEST,
-                        &[
-                            principal,
-                            operation,
-                            key,
-                            &request.unwrap_or_default(),
-                            &days,
-                            &secs,
-                            &micros,
-                        ],
-                    )
-                    .await
-                    .map_err(replace)?;
-                Ok(if n == 1 { Round::Won } else { Round::Again })
-            }
+                    .map_err(reread)?,
+                3,
+            ),
             Ids::Message {
                 subscriber,
                 message_id,
-            } => {
-                let row = lease
-                    .query_row(sql::SELECT_MESSAGE, &[subscriber, message_id])
+            } => (
+                open.lease
+                    .query_row(sql::SELECT_MESSAGE, &[&subscriber, &message_id])
                     .await
-                    .map_err(reread)?;
-                let Some(row) = row else {
-                    return Ok(Round::Again);
-                };
-                if !expired(&row, 1)? {
-                    return Ok(Round::Found(stored_message(&row)?));
-                }
-                let n = lease
-                    .execute(
-                        sql::REPLACE_EXPIRED_MESSAGE,
-                        &[subscriber, message_id, &request, &days, &secs, &micros],
-                    )
-                    .await
-                    .map_err(replace)?;
-                Ok(if n == 1 { Round::Won } else { Round::Again })
-            }
+                    .map_err(reread)?,
+                1,
+            ),
+        };
+        let Some(row) = row else {
+            return Ok(Existing::Vanished);
+        };
+        if expired(&row, expired_column)? {
+            return Ok(Existing::Expired);
+        }
+        match Ids::of(claim) {
+            Ids::Request { .. } => stored_request(&row).map(Existing::Live),
+            Ids::Message { .. } => stored_message(&row).map(Existing::Live),
+        }
+    }
+
+    async fn replace_expired(
+        &self,
+        open: &mut MssqlOpen,
+        claim: &Claim<'_>,
+    ) -> Result<bool, DbError> {
+        let n = claim_write(
+            &mut open.lease,
+            claim,
+            sql::REPLACE_EXPIRED_REQUEST,
+            sql::REPLACE_EXPIRED_MESSAGE,
+        )
+        .await
+        .map_err(|e| db_error_in("replacing an expired record", e))?;
+        Ok(n == 1)
+    }
+
+    async fn ready(&self, open: &mut MssqlOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
+        // Won: the effect runs with the session's default lock timeout.
+        let restore = format!("{}{}", sql::SET_LOCK_TIMEOUT, open.session_lock_timeout);
+        open.lease
+            .batch(&restore)
+            .await
+            .map(drop)
+            .map_err(|e| db_error_in("resetting LOCK_TIMEOUT", e))
+    }
+
+    fn won(&self, open: MssqlOpen, _claim: &Claim<'_>) -> MssqlTx {
+        MssqlTx { lease: open.lease }
+    }
+
+    async fn rollback(&self, open: MssqlOpen) -> Result<(), DbError> {
+        let mut lease = open.lease;
+        let restore = format!("{}{}", sql::SET_LOCK_TIMEOUT, open.session_lock_timeout);
+        let ended = lease.rollback().await;
+        let reset = lease.batch(&restore).await;
+        if ended.is_err() || reset.is_err() {
+            lease.discard();
+        }
+        ended.map_err(|e| db_error_in("ending the claim's transaction", e))
+    }
+
+    fn waited_too_long(&self, error: &DbError) -> bool {
+        // A concurrent holder kept the identity past the wait bound.
+        error.code() == Some("1222")
+    }
+}
+
+/// One of the claim's writes (the placeholder `INSERT`, or the guarded takeover of an
+/// expired record): both bind the key, the request and the retention's parts.
+async fn claim_write(
+    lease: &mut Lease,
+    claim: &Claim<'_>,
+    request_sql: &str,
+    message_sql: &str,
+) -> Result<u64, TdsError> {
+    let (days, secs, micros) = cutoff_parts(claim.retention);
+    let request = claim.request;
+    match Ids::of(claim) {
+        Ids::Request {
+            principal,
+            operation,
+            key,
+        } => {
+            lease
+                .execute(
+                    request_sql,
+                    &[
+                        &principal,
+                        &operation,
+                        &key,
+                        &request.unwrap_or_default(),
+                        &days,
+                        &secs,
+                        &micros,
+                    ],
+                )
+                .await
+        }
+        Ids::Message {
+            subscriber,
+            message_id,
+        } => {
+            lease
+                .execute(
+                    message_sql,
+                    &[&subscriber, &message_id, &request, &days, &secs, &micros],
+                )
+                .await
         }
     }
 }
@@ -564,94 +657,7 @@ impl Backend for MssqlBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MssqlTx>, DbError> {
-        let mut lease = self.pool.acquire().await?;
-        let isolation = self.pool.options.isolation;
-        let begin = begin_batch(isolation, claim.wait);
-        // The session's own lock timeout, given back after the claim (-1: no limit).
-        let session_lock_timeout = match lease.begin(&begin).await {
-            Ok(row) => {
-                let before = row
-                    .as_ref()
-                    .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
-                if before != Some(0) {
-                    // Never reuse a session whose transaction state is not idem's.
-                    lease.discard();
-                    let e = DbError::new(
-                        ENGINE,
-                        ErrorKind::Other,
-                        format!(
-                            "the pooled session was already inside a transaction \
-                             (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
-                             SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
-                             discarded and nothing ran"
-                        ),
-                    );
-                    return Err(self.rollback_after(lease, e).await);
-                }
-                row.as_ref()
-                    .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
-                    .unwrap_or(-1)
-            }
-            Err(e) => {
-                let e = db_error_in("beginning the claim's transaction", e);
-                return Err(self.rollback_after(lease, e).await);
-            }
-        };
-        let ids = Ids::of(claim);
-        let mut outcome = Err(DbError::new(
-            ENGINE,
-            ErrorKind::Transient,
-            "the conflicting record was not visible to this transaction (purged, replaced, \
-             or committed after a SNAPSHOT transaction began); claiming again in a new transaction",
-        ));
-        for _ in 0..CLAIM_ROUNDS {
-            match Self::claim_round(&mut lease, &ids, claim).await {
-                Ok(Round::Won) => {
-                    outcome = Ok(None);
-                    break;
-                }
-                Ok(Round::Found(stored)) => {
-                    outcome = Ok(Some(stored));
-                    break;
-                }
-                // Under SNAPSHOT the same transaction would never see the winner.
-                Ok(Round::Again) if isolation == Isolation::Snapshot => break,
-                Ok(Round::Again) => {}
-                Err(e) => {
-                    outcome = Err(e);
-                    break;
-                }
-            }
-        }
-        let restore = format!("{}{session_lock_timeout}", sql::SET_LOCK_TIMEOUT);
-        let found = match outcome {
-            Ok(None) => {
-                // Won: the effect runs with the session's default lock timeout.
-                return match lease.batch(&restore).await {
-                    Ok(_) => Ok(Claimed::Won(MssqlTx { lease })),
-                    Err(e) => {
-                        let e = db_error_in("resetting LOCK_TIMEOUT", e);
-                        Err(self.rollback_after(lease, e).await)
-                    }
-                };
-            }
-            Ok(Some(stored)) => Ok(stored),
-            Err(e) => Err(e),
-        };
-        let ended = lease.rollback().await;
-        let reset = lease.batch(&restore).await;
-        if ended.is_err() || reset.is_err() {
-            lease.discard();
-        }
-        match found {
-            Ok(stored) => {
-                ended.map_err(|e| db_error_in("ending the claim's transaction", e))?;
-                Ok(Claimed::Found(stored))
-            }
-            // A concurrent holder kept the identity past the wait bound.
-            Err(e) if e.code() == Some("1222") => Ok(Claimed::InFlight),
-            Err(e) => Err(e),
-        }
+        claim::run(self, claim).await
     }
 
     async fn finish(
