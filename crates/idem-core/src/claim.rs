@@ -179,10 +179,7 @@ enum Decision {
 }
 
 /// Claims `claim` through `steps`: the only claim loop.
-pub async fn run<S: ClaimSteps>(
-    steps: &S,
-    claim: &Claim<'_>,
-) -> Result<Claimed<S::Won>, DbError> {
+pub async fn run<S: ClaimSteps>(steps: &S, claim: &Claim<'_>) -> Result<Claimed<S::Won>, DbError> {
     let mut tx = match steps.begin(claim).await? {
         Begun::Open(tx) => tx,
         Begun::InFlight => {
@@ -240,7 +237,11 @@ async fn decide<S: ClaimSteps>(
             }
             Existing::Vanished => {}
         }
-        tracing::debug!(engine = steps.engine(), round, "claim: the record changed; again");
+        tracing::debug!(
+            engine = steps.engine(),
+            round,
+            "claim: the record changed; again"
+        );
         if caps.reread_may_miss_winner {
             return Err(DbError::new(
                 steps.engine(),
@@ -340,19 +341,35 @@ mod tests {
         }
         async fn insert(&self, _: &mut (), _: &Claim<'_>) -> Result<bool, DbError> {
             self.note("insert");
-            self.inserts.lock().unwrap().pop_front().expect("scripted insert")
+            self.inserts
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("scripted insert")
         }
         async fn reread(&self, _: &mut (), _: &Claim<'_>) -> Result<Existing, DbError> {
             self.note("reread");
-            self.rereads.lock().unwrap().pop_front().expect("scripted reread")
+            self.rereads
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("scripted reread")
         }
         async fn replace_expired(&self, _: &mut (), _: &Claim<'_>) -> Result<bool, DbError> {
             self.note("replace");
-            self.replaces.lock().unwrap().pop_front().expect("scripted replace")
+            self.replaces
+                .lock()
+                .unwrap()
+                .pop_front()
+                .expect("scripted replace")
         }
         async fn ready(&self, _: &mut (), _: &Claim<'_>) -> Result<(), DbError> {
             self.note("ready");
-            if self.ready_fails { Err(broken()) } else { Ok(()) }
+            if self.ready_fails {
+                Err(broken())
+            } else {
+                Ok(())
+            }
         }
         fn won(&self, _: (), _: &Claim<'_>) -> &'static str {
             self.note("won");
@@ -360,7 +377,11 @@ mod tests {
         }
         async fn rollback(&self, _: ()) -> Result<(), DbError> {
             self.note("rollback");
-            if self.rollback_fails { Err(broken()) } else { Ok(()) }
+            if self.rollback_fails {
+                Err(broken())
+            } else {
+                Ok(())
+            }
         }
         fn waited_too_long(&self, error: &DbError) -> bool {
             error.code() == Some("WAIT")
@@ -368,7 +389,10 @@ mod tests {
     }
 
     async fn claim(fake: &Fake) -> Result<Claimed<&'static str>, DbError> {
-        let scope = Scope::new(Principal::new("p").unwrap(), Operation::new("op", 1).unwrap());
+        let scope = Scope::new(
+            Principal::new("p").unwrap(),
+            Operation::new("op", 1).unwrap(),
+        );
         let key = Key::new("k").unwrap();
         let claim = Claim {
             id: Identity::Request {
@@ -407,7 +431,7 @@ mod tests {
             .with_inserts(vec![Ok(false)])
             .with_rereads(vec![Ok(live())]);
         fake.rollback_fails = true;
-        let e = claim(&fake).await.err().expect("error");
+        let e = claim(&fake).await.expect_err("error");
         assert_eq!(e.kind(), ErrorKind::Connection);
     }
 
@@ -445,7 +469,7 @@ mod tests {
         let fake = Fake::default()
             .with_inserts((0..CLAIM_ROUNDS).map(|_| Ok(false)).collect())
             .with_rereads((0..CLAIM_ROUNDS).map(|_| Ok(Existing::Vanished)).collect());
-        let e = claim(&fake).await.err().expect("error");
+        let e = claim(&fake).await.expect_err("error");
         assert_eq!(e.kind(), ErrorKind::Transient);
         assert!(e.to_string().contains("kept changing"), "{e}");
         let log = fake.log();
@@ -459,7 +483,7 @@ mod tests {
             .with_inserts(vec![Ok(false)])
             .with_rereads(vec![Ok(Existing::Vanished)]);
         fake.caps = Capabilities::new().reread_may_miss_winner(true);
-        let e = claim(&fake).await.err().expect("error");
+        let e = claim(&fake).await.expect_err("error");
         assert_eq!(e.kind(), ErrorKind::Transient);
         assert!(e.to_string().contains("new transaction"), "{e}");
         assert_eq!(fake.log(), ["begin", "insert", "reread", "rollback"]);
@@ -483,7 +507,7 @@ mod tests {
         let fake = Fake::default()
             .with_inserts(vec![Ok(false)])
             .with_rereads(vec![Err(broken())]);
-        let e = claim(&fake).await.err().expect("error");
+        let e = claim(&fake).await.expect_err("error");
         assert_eq!(e.kind(), ErrorKind::Connection);
         assert_eq!(fake.log(), ["begin", "insert", "reread", "rollback"]);
         // A failure to get ready (restoring the session's bounds) loses the win.

@@ -220,7 +220,13 @@ impl ClaimSteps for PgBackend {
     }
 
     async fn insert(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
-        Self::claim_write(&mut open.tx, claim, sql::INSERT_REQUEST, sql::INSERT_MESSAGE).await
+        Self::claim_write(
+            &mut open.tx,
+            claim,
+            sql::INSERT_REQUEST,
+            sql::INSERT_MESSAGE,
+        )
+        .await
     }
 
     async fn reread(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
