@@ -149,9 +149,11 @@ const ALREADY_EXISTS: &[i32] = &[
     error_codes::COLUMN_ALREADY_EXISTS,
 ];
 
-/// What the pool needs to open connections, and Oracle's hooks for it: a connection is
-/// given back as it is when it has no open transaction, after a rollback (on the
-/// blocking pool) when it has one, and closed when its session is dead.
+/// What the pool needs to open connections, and Oracle's checks for it: a connection is
+/// reused as it is when it has no open transaction (the `TransactionInProgress`
+/// attribute, no round trip), after a rollback (on the blocking pool, at its next
+/// checkout) when it has one, and thrown away (closed, which rolls back) when its
+/// session is dead or the rollback fails.
 struct Oracle {
     options: ConnectOptions,
 }
@@ -174,12 +176,6 @@ impl Manager for Oracle {
 
     fn reset(&self, conn: &Connection) -> bool {
         conn.rollback().is_ok()
-    }
-
-    fn close(&self, conn: Connection) {
-        // ODPI-C rolls back any open transaction first. Should `close` fail, dropping
-        // `conn` closes it anyway.
-        let _ = conn.close();
     }
 }
 
@@ -208,17 +204,17 @@ impl OracleBackend {
 
     /// Connects with explicit options (any connect string Oracle Client accepts).
     pub async fn connect_with(options: ConnectOptions) -> Result<Self, DbError> {
-        let backend = Self::unconnected(options);
+        let backend = Self::unconnected(options)?;
         drop(backend.lease().await?);
         Ok(backend)
     }
 
     /// A backend that opens its first connection on first use.
-    fn unconnected(options: ConnectOptions) -> Self {
-        let size = options.pool_size();
-        Self {
-            pool: BlockingPool::new(Oracle { options }, size),
-        }
+    fn unconnected(options: ConnectOptions) -> Result<Self, DbError> {
+        let pool_options = options.pool_options();
+        Ok(Self {
+            pool: BlockingPool::new(Oracle { options }, pool_options)?,
+        })
     }
 
     /// The options this backend connects with.
@@ -992,7 +988,8 @@ mod tests {
             "execute",
         ));
         // No connection is opened: classification needs none.
-        let backend = OracleBackend::unconnected(ConnectOptions::new("u", "p", "h:1/svc"));
+        let backend =
+            OracleBackend::unconnected(ConnectOptions::new("u", "p", "h:1/svc")).expect("pool");
         let wrapped = Wrapper(deadlock);
         let err: &(dyn StdError + 'static) = &wrapped;
         let kinds: Vec<Option<ErrorKind>> = std::iter::successors(Some(err), |e| (*e).source())

@@ -70,7 +70,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::blocking::{BlockingPool, Lease, Manager};
+use idem_core::blocking::{BlockingPool, DEFAULT_ACQUIRE_TIMEOUT, Lease, Manager, PoolOptions};
 use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
@@ -165,15 +165,18 @@ impl Synchronous {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SqliteOptions {
     max_connections: usize,
+    acquire_timeout: Duration,
     busy_timeout: Duration,
     synchronous: Synchronous,
 }
 
 impl Default for SqliteOptions {
-    /// 16 connections (1 in memory), a 5 s busy timeout, `synchronous=FULL`.
+    /// 16 connections (1 in memory), waited for at most 30 s, a 5 s busy timeout,
+    /// `synchronous=FULL`.
     fn default() -> Self {
         Self {
             max_connections: 16,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             busy_timeout: Duration::from_secs(5),
             synchronous: Synchronous::Full,
         }
@@ -185,6 +188,15 @@ impl SqliteOptions {
     #[must_use]
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
+        self
+    }
+
+    /// How long a call waits for a free pooled connection before it fails with a
+    /// connection error naming the acquire timeout (default 30 s). The same option name
+    /// on every engine.
+    #[must_use]
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
         self
     }
 
@@ -321,7 +333,10 @@ impl SqliteBackend {
             synchronous: options.synchronous,
         };
         let backend = Self {
-            pool: BlockingPool::new(manager, max),
+            pool: BlockingPool::new(
+                manager,
+                PoolOptions::new(max).acquire_timeout(options.acquire_timeout),
+            )?,
             in_flight: InFlight::default(),
             holder: Holder::default(),
         };
