@@ -362,7 +362,7 @@ impl MssqlBackend {
     /// Connects with explicit options.
     pub async fn connect_with(options: MssqlOptions) -> Result<Self, DbError> {
         let backend = Self {
-            pool: Arc::new(Pool::new(options)),
+            pool: Arc::new(Pool::new(options)?),
         };
         // Open one connection now; it stays in the pool.
         let lease = backend.pool.acquire().await?;
@@ -396,7 +396,7 @@ impl MssqlBackend {
     /// Closes the idle connections and refuses new work. Connections in use close when
     /// they are returned.
     pub async fn close(&self) {
-        self.pool.close().await;
+        self.pool.close();
     }
 
     async fn rollback_after(&self, mut lease: Lease, error: DbError) -> DbError {
@@ -976,6 +976,57 @@ mod tests {
 
     /// A listener that accepts and never answers: the connect timeout bounds the login.
     /// (No TDS byte is ever sent back, so no server "answers".)
+    #[test]
+    fn acquisition_is_bounded_by_the_acquire_timeout() {
+        let rt = runtime();
+        rt.block_on(async {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .unwrap_or_else(|e| panic!("bind: {e}"));
+            let port = listener
+                .local_addr()
+                .unwrap_or_else(|e| panic!("addr: {e}"))
+                .port();
+            let hold = tokio::spawn(async move {
+                let mut held = Vec::new();
+                while let Ok((socket, _)) = listener.accept().await {
+                    held.push(socket);
+                }
+            });
+            // One slot, taken by a login that hangs (a silent listener) for up to 30 s:
+            // a second call gives up after the acquire timeout, with a clear error.
+            let url = format!(
+                "mssql://sa:Sup3r-S3cret@127.0.0.1:{port}/master?connect_timeout=30&max_connections=1"
+            );
+            let options = MssqlOptions::parse(&url)
+                .unwrap_or_else(|e| panic!("url: {e}"))
+                .acquire_timeout(Duration::from_millis(200));
+            let pool = Arc::new(Pool::new(options).unwrap_or_else(|e| panic!("pool: {e}")));
+            let first = tokio::spawn({
+                let pool = Arc::clone(&pool);
+                async move { pool.acquire().await.map(drop) }
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let err = match tokio::time::timeout(Duration::from_secs(20), pool.acquire()).await {
+                Ok(Ok(_)) => panic!("a second connection while the only slot is taken"),
+                Ok(Err(e)) => e,
+                Err(_) => panic!("the acquire timeout did not bound the wait"),
+            };
+            assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+            assert!(err.to_string().contains("acquire timeout"), "{err}");
+            assert!(err.to_string().contains("max_connections 1"), "{err}");
+            assert!(!err.to_string().contains("Sup3r-S3cret"), "{err}");
+            first.abort();
+            pool.close();
+            let closed = pool.acquire().await.map(drop);
+            assert!(
+                closed.is_err_and(|e| e.to_string().contains("pool is closed")),
+                "a closed pool refuses leases"
+            );
+            hold.abort();
+        });
+    }
+
     #[test]
     fn a_silent_listener_hits_the_connect_timeout() {
         let rt = runtime();
