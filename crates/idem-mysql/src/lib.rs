@@ -150,8 +150,8 @@ use tokio::sync::OnceCell;
 
 use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
-    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
-    Stored, Table,
+    Backend, Claim, Claimed, DEFAULT_ACQUIRE_TIMEOUT, DbError, ErrorKind, Finish, Identity,
+    Maintenance, Migration, PoolOptions, Status, Stored, Table,
 };
 pub use mysql_async;
 use mysql_async::consts::StatusFlags;
@@ -228,6 +228,8 @@ impl DerefMut for MysqlTx {
 #[derive(Debug, Clone)]
 pub struct MysqlBackend {
     pool: Pool,
+    /// How long a call waits for a pooled connection.
+    acquire_timeout: Duration,
     /// The server's `max_allowed_packet`, read once.
     max_packet: Arc<OnceCell<u64>>,
 }
@@ -304,8 +306,46 @@ impl MysqlBackend {
     pub fn from_pool(pool: Pool) -> Self {
         Self {
             pool,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             max_packet: Arc::default(),
         }
+    }
+
+    /// Connects with explicit options and the pool settings every idem engine takes
+    /// under the same names: `max_connections` (the pool's maximum; its minimum is
+    /// lowered to fit) and `acquire_timeout` (how long a call waits for a free
+    /// connection before it fails with a connection error; 30 s otherwise).
+    pub async fn connect_pooled(opts: impl Into<Opts>, pool: PoolOptions) -> Result<Self, DbError> {
+        let opts: Opts = opts.into();
+        let max = pool.max_connections.max(1);
+        let min = opts.pool_opts().constraints().min().min(max);
+        let constraints = PoolConstraints::new(min, max)
+            .ok_or_else(|| config(format!("invalid pool size {min}..={max}")))?;
+        let pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+        let opts: Opts = OptsBuilder::from_opts(opts).pool_opts(pool_opts).into();
+        let mut backend = Self::connect_with(opts).await?;
+        backend.acquire_timeout = pool.acquire_timeout;
+        Ok(backend)
+    }
+
+    /// A pooled connection, waited for at most the acquire timeout.
+    async fn conn(&self) -> Result<mysql_async::Conn, DbError> {
+        match tokio::time::timeout(self.acquire_timeout, self.pool.get_conn()).await {
+            Ok(conn) => conn.map_err(db_error),
+            Err(_) => Err(self.acquire_timed_out()),
+        }
+    }
+
+    fn acquire_timed_out(&self) -> DbError {
+        DbError::new(
+            ENGINE,
+            ErrorKind::Connection,
+            format!(
+                "no pooled connection became free within {:?} (the acquire timeout); raise \
+                 max_connections or acquire_timeout",
+                self.acquire_timeout
+            ),
+        )
     }
 
     /// The pool, for your own queries.
@@ -487,11 +527,13 @@ impl ClaimSteps for MysqlBackend {
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MysqlOpen>, DbError> {
         self.check_packet("request", claim.request).await?;
-        let tx = self
-            .pool
-            .start_transaction(TxOpts::default())
-            .await
-            .map_err(db_error)?;
+        let tx = tokio::time::timeout(
+            self.acquire_timeout,
+            self.pool.start_transaction(TxOpts::default()),
+        )
+        .await
+        .map_err(|_| self.acquire_timed_out())?
+        .map_err(db_error)?;
         let mut open = MysqlOpen { tx };
         let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
         match open.tx.query_drop(bound).await {
@@ -601,7 +643,7 @@ impl MysqlBackend {
     async fn max_packet(&self) -> Result<u64, DbError> {
         self.max_packet
             .get_or_try_init(|| async {
-                let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+                let mut conn = self.conn().await?;
                 let max: Option<u64> = conn
                     .query_first(sql::MAX_ALLOWED_PACKET)
                     .await
@@ -643,7 +685,7 @@ impl Backend for MysqlBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let target = Target::of(claim);
-        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let mut conn = self.conn().await?;
         // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
         // uncommitted winner's placeholder.
         conn.query_drop(sql::READ_COMMITTED)
@@ -730,7 +772,7 @@ impl Backend for MysqlBackend {
 
 impl Maintenance for MysqlBackend {
     async fn migrate(&self) -> Result<Vec<u32>, DbError> {
-        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let mut conn = self.conn().await?;
         let locked: Option<Row> = conn
             .exec_first(sql::MIGRATION_LOCK, (MIGRATION_LOCK_TIMEOUT_SECS,))
             .await
@@ -766,7 +808,7 @@ impl Maintenance for MysqlBackend {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
         };
-        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let mut conn = self.conn().await?;
         conn.exec_drop(statement, (window_micros(older_than), limit))
             .await
             .map_err(db_error)?;

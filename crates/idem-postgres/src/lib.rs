@@ -51,8 +51,8 @@ use std::time::Duration;
 
 use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
-    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
-    Stored, Table,
+    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration,
+    PoolOptions, Status, Stored, Table,
 };
 pub use sqlx;
 use sqlx::postgres::PgConnection;
@@ -99,13 +99,25 @@ impl PgBackend {
         options: PgConnectOptions,
         max_connections: u32,
     ) -> Result<Self, DbError> {
+        let pool = PoolOptions::new(usize::try_from(max_connections).unwrap_or(usize::MAX))
+            .acquire_timeout(Duration::from_secs(10));
+        Self::connect_pooled(options, pool).await
+    }
+
+    /// Connects with explicit options and the pool settings every idem engine takes
+    /// under the same names: `max_connections` and `acquire_timeout` (how long a call
+    /// waits for a free connection before it fails with a connection error).
+    pub async fn connect_pooled(
+        options: PgConnectOptions,
+        pool: PoolOptions,
+    ) -> Result<Self, DbError> {
         let probe = PgConnection::connect_with(&options)
             .await
             .map_err(db_error)?;
         probe.close().await.map_err(db_error)?;
         PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(10))
+            .max_connections(u32::try_from(pool.max_connections.max(1)).unwrap_or(u32::MAX))
+            .acquire_timeout(pool.acquire_timeout)
             .connect_with(options)
             .await
             .map(Self::from_pool)
