@@ -554,22 +554,21 @@ mod tests {
         drop(lease);
         assert_eq!(which(&pool).await, (1, false), "reset at checkout");
         assert_eq!(stats.round_trip_threads().len(), 2, "open and reset");
-        assert!(
-            stats
-                .round_trip_threads()
-                .iter()
-                .all(|t| *t != async_thread),
-            "open or reset ran on the async worker"
-        );
+        assert_off(&stats, async_thread, "open or reset");
         drop(pool);
         settle(&stats, 1).await;
         assert_eq!(stats.round_trip_threads().len(), 3, "and the close");
+        assert_off(&stats, async_thread, "the close");
+    }
+
+    /// Every round trip so far ran off `async_thread`.
+    fn assert_off(stats: &Stats, async_thread: ThreadId, what: &str) {
         assert!(
             stats
                 .round_trip_threads()
                 .iter()
                 .all(|t| *t != async_thread),
-            "the close ran on the async worker"
+            "{what} ran on the async worker"
         );
     }
 
@@ -630,14 +629,7 @@ mod tests {
         assert_eq!(which(&pool).await, (2, false), "a fresh connection");
         settle(&stats, 1).await;
         assert_eq!(stats.get(), (2, 1, 1), "the first one was dropped");
-        let async_thread = std::thread::current().id();
-        assert!(
-            stats
-                .round_trip_threads()
-                .iter()
-                .all(|t| *t != async_thread),
-            "the close ran on the async worker"
-        );
+        assert_off(&stats, std::thread::current().id(), "the close");
     }
 
     #[tokio::test]

@@ -113,11 +113,16 @@ pub trait ClaimSteps: Send + Sync {
     /// What a won claim hands to the effect ([`crate::Backend::Tx`]).
     type Won: Send;
 
-    /// The engine's name in the errors [`run`] raises.
-    fn engine(&self) -> &'static str;
+    /// The engine's name in the errors [`run`] raises; by default, like
+    /// [`crate::Backend::engine`], the implementing crate's name without `idem_`.
+    fn engine(&self) -> &'static str {
+        crate::backend::engine_of_type(std::any::type_name::<Self>())
+    }
 
-    /// What this engine's claim differs in.
-    fn capabilities(&self) -> Capabilities;
+    /// What this engine's claim differs in; by default none ([`Capabilities::new`]).
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
+    }
 
     /// Opens the transaction, with its wait for concurrent holders bounded by
     /// [`Claim::wait`] (a lock timeout, a call timeout, a busy timeout).

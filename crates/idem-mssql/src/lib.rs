@@ -426,10 +426,6 @@ impl ClaimSteps for MssqlBackend {
     type Open = MssqlOpen;
     type Won = MssqlTx;
 
-    fn engine(&self) -> &'static str {
-        ENGINE
-    }
-
     fn capabilities(&self) -> Capabilities {
         Capabilities::new()
             .reread_may_miss_winner(self.pool.options.isolation == Isolation::Snapshot)
@@ -976,23 +972,30 @@ mod tests {
 
     /// A listener that accepts and never answers: the connect timeout bounds the login.
     /// (No TDS byte is ever sent back, so no server "answers".)
+    /// A listener that accepts connections and never answers; returns its port and the
+    /// task holding the sockets.
+    async fn silent_listener() -> (u16, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("bind: {e}"));
+        let port = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("addr: {e}"))
+            .port();
+        let hold = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        (port, hold)
+    }
+
     #[test]
     fn acquisition_is_bounded_by_the_acquire_timeout() {
         let rt = runtime();
         rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .unwrap_or_else(|e| panic!("bind: {e}"));
-            let port = listener
-                .local_addr()
-                .unwrap_or_else(|e| panic!("addr: {e}"))
-                .port();
-            let hold = tokio::spawn(async move {
-                let mut held = Vec::new();
-                while let Ok((socket, _)) = listener.accept().await {
-                    held.push(socket);
-                }
-            });
+            let (port, hold) = silent_listener().await;
             // One slot, taken by a login that hangs (a silent listener) for up to 30 s:
             // a second call gives up after the acquire timeout, with a clear error.
             let url = format!(
@@ -1031,19 +1034,7 @@ mod tests {
     fn a_silent_listener_hits_the_connect_timeout() {
         let rt = runtime();
         rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .unwrap_or_else(|e| panic!("bind: {e}"));
-            let port = listener
-                .local_addr()
-                .unwrap_or_else(|e| panic!("addr: {e}"))
-                .port();
-            let hold = tokio::spawn(async move {
-                let mut held = Vec::new();
-                while let Ok((socket, _)) = listener.accept().await {
-                    held.push(socket);
-                }
-            });
+            let (port, hold) = silent_listener().await;
             let url = format!("mssql://sa:Sup3r-S3cret@127.0.0.1:{port}/master?connect_timeout=1");
             // Without the connect timeout this login would wait forever; the generous
             // guard only turns such a hang into a failure.

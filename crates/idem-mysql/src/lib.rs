@@ -148,7 +148,7 @@ use std::time::Duration;
 
 use tokio::sync::OnceCell;
 
-use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
+use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DEFAULT_ACQUIRE_TIMEOUT, DbError, ErrorKind, Finish, Identity,
     Maintenance, Migration, PoolOptions, Status, Stored, Table,
@@ -516,14 +516,6 @@ pub struct MysqlOpen {
 impl ClaimSteps for MysqlBackend {
     type Open = MysqlOpen;
     type Won = MysqlTx;
-
-    fn engine(&self) -> &'static str {
-        ENGINE
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
-    }
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MysqlOpen>, DbError> {
         self.check_packet("request", claim.request).await?;

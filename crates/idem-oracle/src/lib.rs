@@ -105,7 +105,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::blocking::{BlockingPool, Lease, Manager};
-use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
+use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
     Stored, Table,
@@ -640,14 +640,6 @@ impl fmt::Debug for OracleOpen {
 impl ClaimSteps for OracleBackend {
     type Open = OracleOpen;
     type Won = OracleTx;
-
-    fn engine(&self) -> &'static str {
-        ENGINE
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
-    }
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<OracleOpen>, DbError> {
         let claim = Arc::new(ClaimOwned::new(claim)?);

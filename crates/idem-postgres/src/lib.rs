@@ -49,7 +49,7 @@ use std::error::Error as StdError;
 use std::str::FromStr;
 use std::time::Duration;
 
-use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
+use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration,
     PoolOptions, Status, Stored, Table,
@@ -204,14 +204,6 @@ impl PgBackend {
 impl ClaimSteps for PgBackend {
     type Open = PgOpen;
     type Won = PgTx;
-
-    fn engine(&self) -> &'static str {
-        "postgres"
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::new()
-    }
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<PgOpen>, DbError> {
         let mut tx = self.pool.begin().await.map_err(db_error)?;

@@ -639,10 +639,6 @@ impl ClaimSteps for SqliteBackend {
     type Open = SqliteOpen;
     type Won = SqliteTx;
 
-    fn engine(&self) -> &'static str {
-        ENGINE
-    }
-
     fn capabilities(&self) -> Capabilities {
         Capabilities::new().read_first(true)
     }
