@@ -106,6 +106,7 @@
 //! ```
 
 pub mod error_codes;
+pub mod galera;
 mod sql;
 
 use std::error::Error as StdError;
