@@ -26,7 +26,7 @@ port=${IDEM_PGFO_PORT:-25432}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 
 as_owner() { # run a server binary as the data directory's owner
-  if [ "$(id -u)" = 0 ]; then runuser -u postgres -- "$@"; else "$@"; fi
+  if [ "$(id -u)" = 0 ]; then setpriv --reuid=postgres --regid=postgres --init-groups -- "$@"; else "$@"; fi
 }
 
 port_free() { ! timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
@@ -69,6 +69,9 @@ start() { # dir mode
   {
     echo "port = $((port + 1))"
     echo "primary_conninfo = 'host=127.0.0.1 port=$port user=postgres application_name=standby1'"
+    # The copy of the primary's configuration names the standby as its own synchronous
+    # standby: once promoted, with no standby of its own, every commit would wait forever.
+    echo "synchronous_standby_names = ''"
   } >>"$dir/standby/postgresql.auto.conf"
   as_owner "$bin/pg_ctl" -D "$dir/standby" -l "$dir/standby.log" -w -t 60 start >/dev/null \
     || { tail -20 "$dir/standby.log" >&2; die "the standby did not start"; }
