@@ -63,6 +63,11 @@ for engine in sqlite postgres mysql mssql oracle; do
   esac
 done
 
+step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
+for target in cockroach yugabyte citus tidb; do
+  cargo test --locked -p idem-tests --all-features --test "$target"
+done
+
 if [ "${IDEM_CLUSTERS:-1}" = 1 ]; then
   # Private clusters on their own ports and temporary directories, stopped by the
   # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly).

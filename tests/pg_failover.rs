@@ -22,8 +22,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use idem::core::{Error, Idem, Key, Operation, Outcome, Principal, Request, Scope};
-use idem::postgres::PgBackend;
 use idem::postgres::sqlx;
+use idem::postgres::{PgBackend, PurgeStyle};
 use idem_conformance::postgres::PgBank;
 use idem_conformance::{Balance, Bank, BankError};
 use libtest_mimic::{Arguments, Failed, Trial};
@@ -217,6 +217,33 @@ async fn failover_run(mode: String) -> Result<String, String> {
         START * CLIENTS as i64 - total
     };
     let records = promoted.count_records().await.map_err(err)?;
+    // The Citus-compatible purge (no FOR UPDATE SKIP LOCKED), on the promoted server:
+    // a live record is never deleted, and expired ones go in bounded batches.
+    let purger = Idem::new(
+        PgBackend::from_pool(promoted.backend().pool().clone())
+            .with_purge_style(PurgeStyle::Distributed),
+    );
+    let kept = purger
+        .purge(Duration::from_secs(3600), 100)
+        .await
+        .map_err(err)?;
+    if kept.requests != 0 {
+        return Err(format!(
+            "the distributed purge deleted {} live records",
+            kept.requests
+        ));
+    }
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let purged = purger
+        .purge(Duration::from_millis(1), 100)
+        .await
+        .map_err(err)?;
+    if purged.requests != records || u64::from(purged.batches) < (records / 100) {
+        return Err(format!(
+            "the distributed purge deleted {} of {records} expired records in {} statements",
+            purged.requests, purged.batches
+        ));
+    }
     let _ = promoted.close().await;
     drop(bank);
     if moved != expected || records != logs.len() as u64 {
@@ -237,8 +264,10 @@ async fn failover_run(mode: String) -> Result<String, String> {
          promoted standby ({in_flight_replayed} of them replayed a commit that had reached it); \
          acknowledged-then-lost whose retry executed again: {lost} ({lost_changed} with a different \
          response than the one acknowledged); doubled in the database: 0 (balance moved by exactly \
-         {expected}, one record per key)",
-        logs.len()
+         {expected}, one record per key); then the Citus-style purge (PurgeStyle::Distributed) kept \
+         every live record and deleted {records} expired ones in {} statements",
+        logs.len(),
+        purged.batches
     ))
 }
 

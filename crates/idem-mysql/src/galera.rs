@@ -26,11 +26,13 @@
 //!   asynchronously after certification, so the replay fast path (`lookup`, a plain
 //!   read) on node B can miss a record node A has just committed. That is safe: a miss
 //!   only means the call goes on to claim, and the claim ends in a replay (directly, or
-//!   after a certification failure and one retry). It costs a wasted claim. With
-//!   [`causal_reads`] every read of the session waits until the node has applied all
-//!   write sets committed before it started (`wsrep_sync_wait = 1`): the fast path
-//!   never misses a committed record, at the price of a cluster round trip per read.
-//!   `tests/galera_cluster.rs` measures both; `docs/scale-out.md` has the figures.
+//!   after a certification failure and one retry). It costs a wasted claim.
+//!   [`causal_reads`] sets `wsrep_sync_wait = 1` on every session, which the Galera
+//!   documentation describes as making reads wait until the node has applied the write
+//!   sets committed before them. Measured here (MariaDB 10.11.19, Galera 26.4.23,
+//!   `tests/galera_cluster.rs`), it did **not** remove the misses (a few in 300 rounds
+//!   with and without it), so correctness never relies on it; `docs/scale-out.md` has
+//!   the figures.
 //! - **Schema**: every table needs a primary key (idem's tables have one) and InnoDB;
 //!   DDL (the migrations) is replicated in total order (TOI).
 //!
@@ -45,11 +47,12 @@ pub const WSREP_SYNC_WAIT_READS: u8 = 1;
 /// The session statement [`causal_reads`] runs on each new or reset connection.
 pub const CAUSAL_READS_INIT: &str = "SET SESSION wsrep_sync_wait = 1";
 
-/// Connection options whose sessions make every read causal on a Galera node
+/// Connection options whose sessions ask for causal reads on a Galera node
 /// (`SET SESSION wsrep_sync_wait = 1` on each new connection and after each reset by
-/// the pool): the replay fast path and
-/// the claim's re-read then see every write set committed anywhere in the cluster before
-/// the read began. Use it with
+/// the pool): by Galera's documentation, reads then wait until the node has applied the
+/// write sets committed before them. Measured on MariaDB 10.11.19 with Galera 26.4.23,
+/// the fast path still missed fresh records with it (see the module documentation);
+/// idem's correctness never depends on it. Use it with
 /// [`MysqlBackend::connect_with`](crate::MysqlBackend::connect_with):
 ///
 /// ```no_run
@@ -61,8 +64,8 @@ pub const CAUSAL_READS_INIT: &str = "SET SESSION wsrep_sync_wait = 1";
 /// # Ok(()) }
 /// ```
 ///
-/// Not needed for correctness (see the module documentation); on a server without
-/// Galera the variable exists on MariaDB and is ignored, while MySQL refuses it.
+/// On a MariaDB server without Galera the variable exists and changes nothing; MySQL
+/// refuses it.
 pub fn causal_reads(opts: impl Into<Opts>) -> Opts {
     let opts: Opts = opts.into();
     // `setup`, not `init`: the pool resets each connection it takes back

@@ -71,6 +71,22 @@ pub(crate) const PURGE_REQUESTS: &str = concat!(
     cutoff!(1),
     " ORDER BY created_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
+/// The purge for distributed PostgreSQL (Citus): the same bounded batch without the
+/// multi-shard `FOR UPDATE SKIP LOCKED` Citus refuses. Concurrent purgers may wait for
+/// each other instead of skipping rows. Params: age (s), limit.
+pub(crate) const PURGE_REQUESTS_DISTRIBUTED: &str = concat!(
+    "DELETE FROM idem_request_result WHERE (principal, operation, request_key) IN (",
+    "SELECT principal, operation, request_key FROM idem_request_result WHERE created_at < ",
+    cutoff!(1),
+    " ORDER BY created_at LIMIT $2)"
+);
+/// The message purge for distributed PostgreSQL (see [`PURGE_REQUESTS_DISTRIBUTED`]).
+pub(crate) const PURGE_MESSAGES_DISTRIBUTED: &str = concat!(
+    "DELETE FROM idem_processed_message WHERE (subscriber, message_id) IN (",
+    "SELECT subscriber, message_id FROM idem_processed_message WHERE processed_at < ",
+    cutoff!(1),
+    " ORDER BY processed_at LIMIT $2)"
+);
 pub(crate) const PURGE_MESSAGES: &str = concat!(
     "DELETE FROM idem_processed_message WHERE (subscriber, message_id) IN (",
     "SELECT subscriber, message_id FROM idem_processed_message WHERE processed_at < ",
@@ -108,6 +124,17 @@ pub(crate) const ALL: &[(&str, &str)] = &[
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn distributed_purges_take_no_row_locks() {
+        for sql in [
+            super::PURGE_REQUESTS_DISTRIBUTED,
+            super::PURGE_MESSAGES_DISTRIBUTED,
+        ] {
+            assert!(!sql.contains("FOR UPDATE"), "{sql}");
+            assert!(sql.contains("LIMIT $2"), "still bounded: {sql}");
+        }
+    }
+
     #[test]
     fn statements_snapshot() {
         let text: String = super::ALL
