@@ -12,7 +12,7 @@
 # primary; with `sync` the primary has synchronous_standby_names = 'standby1' and
 # synchronous_commit = on (a commit returns once the standby has flushed it), with
 # `async` it does not wait for the standby. As root, the servers run as `postgres`.
-# On a fresh Debian machine (as root) postgresql-15 is apt-installed first.
+# On a fresh Debian machine (as root) PostgreSQL is apt-installed first.
 #
 # CMD sees IDEM_PGFO_PRIMARY_URL, IDEM_PGFO_STANDBY_URL, IDEM_PGFO_MODE and
 # IDEM_PGFO_FAILOVER (the command that fails over).
@@ -21,7 +21,12 @@ set -euo pipefail
 log() { printf 'ci/pg-failover: %s\n' "$*" >&2; }
 die() { log "FAILED: $*"; exit 1; }
 
+# The PostgreSQL 15 binaries, else the newest installed major version.
 bin=${IDEM_PG_BIN:-/usr/lib/postgresql/15/bin}
+if [ -z "${IDEM_PG_BIN:-}" ] && [ ! -x "$bin/initdb" ]; then
+  newest=$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -1 || true)
+  [ -n "$newest" ] && bin=$newest
+fi
 port=${IDEM_PGFO_PORT:-25432}
 self="$(cd "$(dirname "$0")" && pwd)/$(basename "$0")"
 
@@ -34,9 +39,10 @@ port_free() { ! timeout 1 bash -c "exec 3<>/dev/tcp/127.0.0.1/$1" 2>/dev/null; }
 ensure_binaries() {
   [ -x "$bin/initdb" ] && [ -x "$bin/pg_basebackup" ] && return
   [ "$(id -u)" = 0 ] || die "$bin/initdb is missing and this is not root"
-  log "installing postgresql-15 with apt-get"
+  log "installing postgresql with apt-get"
   apt-get update -qq >&2
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 >&2
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >&2
+  bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -1)
 }
 
 psql_at() { # port sql
