@@ -342,6 +342,9 @@ async fn same_key_storm(c: Cluster) -> Result<String, String> {
     check
 }
 
+/// Per key: executions, the executing node, and every response with its node.
+type KeySeen = (u32, usize, Vec<(usize, Balance)>);
+
 async fn many_keys_with_duplicates(c: Cluster) -> Result<String, String> {
     const KEYS: usize = 2000;
     const ACCOUNTS: i64 = 50;
@@ -388,7 +391,7 @@ async fn many_keys_with_duplicates(c: Cluster) -> Result<String, String> {
     }
     let check = async {
         // key -> (executions, executing node, responses with their nodes)
-        let mut by_key: HashMap<usize, (u32, usize, Vec<(usize, Balance)>)> = HashMap::new();
+        let mut by_key: HashMap<usize, KeySeen> = HashMap::new();
         for (k, node, r) in &results {
             let e = by_key.entry(*k).or_insert((0, usize::MAX, Vec::new()));
             match r {
