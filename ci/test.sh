@@ -99,6 +99,25 @@ if wants sqlite && wants postgres && wants mysql; then
   cargo test --locked -p idem-cli --all-features --test cli
 fi
 
+step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
+for target in cockroach yugabyte citus tidb; do
+  cargo test --locked -p idem-tests --all-features --test "$target"
+done
+
+if [ "${IDEM_CLUSTERS:-1}" = 1 ]; then
+  # Private clusters on their own ports and temporary directories, stopped by the
+  # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly).
+  step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed"
+  ci/galera.sh run bash -c 'cargo test --locked -p idem-tests --all-features --test galera &&
+    cargo test --locked -p idem-tests --all-features --test galera_cluster'
+  for mode in sync async; do
+    step "PostgreSQL failover, $mode replication: primary killed, standby promoted, every key retried"
+    ci/pg-failover.sh run "$mode" cargo test --locked -p idem-tests --all-features --test pg_failover
+  done
+else
+  step "cluster tests SKIPPED (IDEM_CLUSTERS=0): Galera and PostgreSQL failover not run"
+fi
+
 step "the README's walkthrough"
 demo_dir=$(mktemp -d)
 trap 'rm -rf "$demo_dir"' EXIT

@@ -73,6 +73,13 @@ pub trait Bank: Sized + Send + Sync + 'static {
         Self::DOCUMENTED
     }
 
+    /// The column a report of this server belongs to in `docs/engines.md` (by default
+    /// [`Bank::ENGINE`]; a MariaDB Galera node reports `"galera"`).
+    fn report_engine(server: &str) -> &'static str {
+        let _ = server;
+        Self::ENGINE
+    }
+
     /// The server's version string, as the server reports it.
     fn server_version(&self) -> impl Future<Output = Result<String, DbError>> + Send;
 

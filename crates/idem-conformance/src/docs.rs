@@ -9,10 +9,11 @@ use std::fmt::Write as _;
 use crate::harness::{CaseReport, Report};
 
 /// The column order.
-pub const ENGINES: [(&str, &str); 5] = [
+pub const ENGINES: [(&str, &str); 6] = [
     ("sqlite", "SQLite"),
     ("postgres", "PostgreSQL"),
     ("mysql", "MySQL / MariaDB"),
+    ("galera", "MariaDB Galera (3 nodes)"),
     ("mssql", "SQL Server"),
     ("oracle", "Oracle"),
 ];

@@ -197,7 +197,7 @@ pub async fn check<K: Bank>(url: &str, progress: impl Fn(&CaseReport)) -> Result
         cases.push(row);
     }
     Ok(Report {
-        engine: K::ENGINE.into(),
+        engine: K::report_engine(&server).into(),
         server,
         capabilities,
         live: true,

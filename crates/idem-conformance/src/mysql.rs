@@ -94,9 +94,20 @@ fn effect(
     })
 }
 
+/// How [`MysqlBank`]'s `server_version` starts on a Galera node.
+pub const GALERA_PREFIX: &str = "MariaDB Galera node";
+
 impl Bank for MysqlBank {
     type B = MysqlBackend;
     const ENGINE: &'static str = "mysql";
+
+    fn report_engine(server: &str) -> &'static str {
+        if server.starts_with(GALERA_PREFIX) {
+            "galera"
+        } else {
+            Self::ENGINE
+        }
+    }
 
     async fn connect(url: &str, namespace: Option<&str>) -> Result<Self, DbError> {
         let opts = parse_url(url)?;
@@ -156,6 +167,25 @@ impl Bank for MysqlBank {
             .and_then(|mut r| r.take_opt::<String, usize>(0))
             .and_then(Result::ok)
             .unwrap_or_default();
+        // A Galera node: wsrep is on (MySQL has no such variable, so an error means no).
+        let wsrep: Option<Row> = conn.query_first("SELECT @@wsrep_on").await.ok().flatten();
+        let galera = wsrep
+            .and_then(|mut r| r.take_opt::<i64, usize>(0))
+            .and_then(Result::ok)
+            == Some(1);
+        if galera {
+            let status = |name: &'static str| format!("SHOW STATUS LIKE '{name}'");
+            let mut value = async |name| -> String {
+                let row: Option<(String, String)> =
+                    conn.query_first(status(name)).await.ok().flatten();
+                row.map(|r| r.1).unwrap_or_default()
+            };
+            let provider = value("wsrep_provider_version").await;
+            let size = value("wsrep_cluster_size").await;
+            return Ok(format!(
+                "{GALERA_PREFIX} {version}, Galera {provider}, cluster of {size}"
+            ));
+        }
         Ok(if version.contains("MariaDB") {
             format!("MariaDB {version}")
         } else {

@@ -18,7 +18,7 @@ pub const ER_DUP_ENTRY_WITH_KEY_NAME: u16 = 1586;
 /// retries it).
 pub const ER_LOCK_WAIT_TIMEOUT: u16 = 1205;
 /// `ER_LOCK_DEADLOCK`: this transaction was chosen as a deadlock victim and rolled back
-/// (also Galera's certification failure).
+/// (also Galera's certification failure at `COMMIT`, see [`crate::galera`]).
 pub const ER_LOCK_DEADLOCK: u16 = 1213;
 /// `ER_LOCK_NOWAIT` (MySQL 8): a `NOWAIT` locking read found the row locked.
 pub const ER_LOCK_NOWAIT: u16 = 3572;
@@ -42,6 +42,10 @@ pub const ER_BAD_DB_ERROR: u16 = 1049;
 pub const ER_SERVER_SHUTDOWN: u16 = 1053;
 /// `ER_NO_SUCH_TABLE`: a table is missing (run the migrations).
 pub const ER_NO_SUCH_TABLE: u16 = 1146;
+/// `ER_UNKNOWN_COM_ERROR`: on a Galera node, "WSREP has not yet prepared node for
+/// application use": the node is not in the cluster's primary component (cut off, or
+/// still joining). Classified as a connection error: send the same key to another node.
+pub const ER_UNKNOWN_COM_ERROR: u16 = 1047;
 /// `ER_CONNECTION_KILLED` (MariaDB): the connection was killed.
 pub const ER_CONNECTION_KILLED: u16 = 1927;
 /// `ER_CLIENT_INTERACTION_TIMEOUT` (MySQL 8): disconnected after `wait_timeout`.
@@ -62,7 +66,8 @@ pub fn kind_of(code: u16) -> ErrorKind {
         ER_CON_COUNT_ERROR
         | ER_SERVER_SHUTDOWN
         | ER_CONNECTION_KILLED
-        | ER_CLIENT_INTERACTION_TIMEOUT => ErrorKind::Connection,
+        | ER_CLIENT_INTERACTION_TIMEOUT
+        | ER_UNKNOWN_COM_ERROR => ErrorKind::Connection,
         ER_ACCESS_DENIED_ERROR | ER_DBACCESS_DENIED_ERROR | ER_ACCESS_DENIED_NO_PASSWORD_ERROR => {
             ErrorKind::Authentication
         }
@@ -167,6 +172,11 @@ mod tests {
         assert_eq!(kind_of(3572), ErrorKind::LockTimeout);
         assert_eq!(kind_of(1040), ErrorKind::Connection);
         assert_eq!(kind_of(1927), ErrorKind::Connection);
+        assert_eq!(
+            kind_of(1047),
+            ErrorKind::Connection,
+            "a Galera node outside the primary component"
+        );
         assert_eq!(kind_of(1146), ErrorKind::Configuration);
         assert_eq!(kind_of(1045), ErrorKind::Authentication);
         assert_eq!(kind_of(1044), ErrorKind::Authentication);

@@ -139,6 +139,7 @@
 //! ```
 
 pub mod error_codes;
+pub mod galera;
 mod sql;
 
 use std::error::Error as StdError;

@@ -82,6 +82,23 @@ pub const MIGRATIONS: &[Migration] = &[
 #[derive(Debug, Clone)]
 pub struct PgBackend {
     pool: PgPool,
+    purge: PurgeStyle,
+}
+
+/// How `purge_batch` deletes a bounded batch of expired records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PurgeStyle {
+    /// `DELETE … WHERE pk IN (SELECT … ORDER BY created_at LIMIT n FOR UPDATE SKIP
+    /// LOCKED)`: concurrent purgers skip each other's rows (single-node PostgreSQL and
+    /// streaming replicas).
+    #[default]
+    SkipLocked,
+    /// The same bounded batch without `FOR UPDATE SKIP LOCKED`, which Citus refuses on a
+    /// table distributed over several shards (and which CockroachDB and YugabyteDB
+    /// treat differently). Concurrent purgers may wait for each other. Not verified live
+    /// here (no Citus server): see `docs/scale-out.md`.
+    Distributed,
 }
 
 impl PgBackend {
@@ -126,7 +143,17 @@ impl PgBackend {
 
     /// Uses an existing pool.
     pub fn from_pool(pool: PgPool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            purge: PurgeStyle::default(),
+        }
+    }
+
+    /// Chooses how purges delete (see [`PurgeStyle`]; [`PurgeStyle::Distributed`] for
+    /// Citus).
+    pub fn with_purge_style(mut self, purge: PurgeStyle) -> Self {
+        self.purge = purge;
+        self
     }
 
     /// The pool, for your own queries.
@@ -495,9 +522,11 @@ impl Maintenance for PgBackend {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, DbError> {
-        let statement = match table {
-            Table::Requests => sql::PURGE_REQUESTS,
-            Table::Messages => sql::PURGE_MESSAGES,
+        let statement = match (table, self.purge) {
+            (Table::Requests, PurgeStyle::SkipLocked) => sql::PURGE_REQUESTS,
+            (Table::Messages, PurgeStyle::SkipLocked) => sql::PURGE_MESSAGES,
+            (Table::Requests, PurgeStyle::Distributed) => sql::PURGE_REQUESTS_DISTRIBUTED,
+            (Table::Messages, PurgeStyle::Distributed) => sql::PURGE_MESSAGES_DISTRIBUTED,
         };
         sqlx::query(statement)
             .bind(secs(older_than))

@@ -110,6 +110,22 @@ pub(crate) const PURGE_REQUESTS: &str = concat!(
     cutoff!(1),
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
+/// The purge for distributed PostgreSQL (Citus): the same bounded batch of expired
+/// records without the multi-shard `FOR UPDATE SKIP LOCKED` Citus refuses. Concurrent
+/// purgers may wait for each other instead of skipping rows. Params: older than (s), limit.
+pub(crate) const PURGE_REQUESTS_DISTRIBUTED: &str = concat!(
+    "DELETE FROM idem_request_result WHERE (principal, operation, request_key) IN (",
+    "SELECT principal, operation, request_key FROM idem_request_result WHERE expires_at <= clock_timestamp() AND created_at <= ",
+    cutoff!(1),
+    " ORDER BY expires_at LIMIT $2)"
+);
+/// The message purge for distributed PostgreSQL (see [`PURGE_REQUESTS_DISTRIBUTED`]).
+pub(crate) const PURGE_MESSAGES_DISTRIBUTED: &str = concat!(
+    "DELETE FROM idem_processed_message WHERE (subscriber, message_id) IN (",
+    "SELECT subscriber, message_id FROM idem_processed_message WHERE expires_at <= clock_timestamp() AND processed_at <= ",
+    cutoff!(1),
+    " ORDER BY expires_at LIMIT $2)"
+);
 /// Like [`PURGE_REQUESTS`], for messages.
 pub(crate) const PURGE_MESSAGES: &str = concat!(
     "DELETE FROM idem_processed_message WHERE (subscriber, message_id) IN (",
@@ -153,6 +169,8 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("lookup_message", LOOKUP_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
+    ("purge_requests_distributed", PURGE_REQUESTS_DISTRIBUTED),
+    ("purge_messages_distributed", PURGE_MESSAGES_DISTRIBUTED),
     ("set_lock_timeout", SET_LOCK_TIMEOUT),
     ("restore_lock_timeout", RESTORE_LOCK_TIMEOUT),
     ("migration_lock", MIGRATION_LOCK),
@@ -163,6 +181,17 @@ pub(crate) const ALL: &[(&str, &str)] = &[
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn distributed_purges_take_no_row_locks() {
+        for sql in [
+            super::PURGE_REQUESTS_DISTRIBUTED,
+            super::PURGE_MESSAGES_DISTRIBUTED,
+        ] {
+            assert!(!sql.contains("FOR UPDATE"), "{sql}");
+            assert!(sql.contains("LIMIT $2"), "still bounded: {sql}");
+        }
+    }
+
     #[test]
     fn statements_snapshot() {
         let text: String = super::ALL
