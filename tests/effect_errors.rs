@@ -4,8 +4,8 @@
 //!
 //! Two calls lock two rows in opposite order, so the engine picks one as the deadlock
 //! victim (PostgreSQL 40P01, InnoDB 1213). idem must find the code inside the effect's
-//! error, roll back, and run that call again: both calls end `Executed`, with three effect
-//! attempts in all. Trials are named `effect_errors::<engine>::<shape>`.
+//! error, roll back, and run that call again: both calls end `Executed`, after at least
+//! three effect attempts in all. Trials are named `effect_errors::<engine>::<shape>`.
 //! Needs PostgreSQL and MySQL/MariaDB (`IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`); an
 //! unreachable server fails the trial.
 

@@ -233,11 +233,14 @@ async fn failover_run(mode: String) -> Result<String, String> {
             kept.requests
         ));
     }
-    tokio::time::sleep(Duration::from_millis(20)).await;
-    let purged = purger
-        .purge(Duration::from_millis(1), 100)
-        .await
-        .map_err(err)?;
+    // Every record is live (24-hour retention); let them all expire now, then purge.
+    sqlx::query(
+        "UPDATE idem_request_result SET expires_at = clock_timestamp() - interval '1 second'",
+    )
+    .execute(promoted.backend().pool())
+    .await
+    .map_err(err)?;
+    let purged = purger.purge(Duration::ZERO, 100).await.map_err(err)?;
     if purged.requests != records || u64::from(purged.batches) < (records / 100) {
         return Err(format!(
             "the distributed purge deleted {} of {records} expired records in {} statements",
