@@ -122,10 +122,10 @@ enum Command {
         /// Earlier `--json` reports (other engines) to include in the chart.
         #[arg(long, requires = "svg")]
         with: Vec<PathBuf>,
-        /// Use the drivers' pool defaults (a ping per checkout on PostgreSQL, a reset per
-        /// return on MySQL) instead of idem's, to measure what they cost.
-        #[arg(long)]
-        driver_defaults: bool,
+        /// The pool's set-up: idem's `connect`; the driver's defaults (a ping per checkout on
+        /// PostgreSQL, a session reset per return on MySQL); or lean (neither).
+        #[arg(long, value_enum, default_value = "idem")]
+        pool: bench::PoolMode,
         /// Skip counting round trips through the loopback proxy.
         #[arg(long)]
         no_round_trips: bool,
@@ -217,7 +217,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             json,
             svg,
             with,
-            driver_defaults,
+            pool,
             no_round_trips,
             growth,
         } => {
@@ -229,7 +229,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 json,
                 svg,
                 with,
-                driver_defaults,
+                pool,
                 round_trips: !no_round_trips,
                 growth,
             };

@@ -8,6 +8,34 @@ use std::future::Future;
 use idem::DbError;
 use idem_conformance::Bank;
 
+/// How the bench's pool is set up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum PoolMode {
+    /// Whatever idem's `connect` does.
+    Idem,
+    /// The driver's defaults: sqlx pings on every checkout, mysql_async resets the
+    /// session (`COM_RESET_CONNECTION`) on every return.
+    Driver,
+    /// Neither the checkout ping nor the reset; the drivers still roll back a returned
+    /// connection's open transaction (and drop it if that fails).
+    Lean,
+}
+
+impl PoolMode {
+    /// How a report names the pool set-up on `engine`.
+    pub(crate) fn describe(self, engine: &str) -> &'static str {
+        match (engine, self) {
+            ("postgres", Self::Idem) => "idem's connect (sqlx defaults: a ping per checkout)",
+            ("postgres", Self::Driver) => "sqlx defaults (a ping per checkout)",
+            ("postgres", Self::Lean) => "test_before_acquire(false): no ping per checkout",
+            ("mysql", Self::Idem) => "idem's connect (no session reset per return)",
+            ("mysql", Self::Driver) => "mysql_async defaults (COM_RESET_CONNECTION per return)",
+            ("mysql", Self::Lean) => "reset_connection(false): no session reset per return",
+            _ => "idem's connect",
+        }
+    }
+}
+
 /// The rows the growth mode inserts in one statement.
 pub(crate) const FILL_CHUNK: u64 = 100_000;
 
@@ -24,12 +52,12 @@ pub(crate) trait BenchEngine: Bank {
     const NETWORK: bool;
 
     /// A second backend on the fixture's private namespace with a pool of `pool`
-    /// connections; `driver_defaults` restores the driver's per-checkout ping/reset.
+    /// connections, set up as `mode` says.
     fn attach(
         url: &str,
         ns: &str,
         pool: usize,
-        driver_defaults: bool,
+        mode: PoolMode,
     ) -> impl Future<Output = Result<Self::B, DbError>> + Send;
 
     /// Closes a backend made by [`BenchEngine::attach`].
@@ -79,7 +107,7 @@ mod postgres {
     use idem::postgres::{PgBackend, db_error};
     use idem_conformance::postgres::PgBank;
 
-    use super::{BenchEngine, FILL_CHUNK, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
+    use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
 
     /// The seed chapter's schema and function, verbatim but for the table names.
     const SEED: &str = r#"
@@ -142,24 +170,24 @@ $$;
             url: &str,
             ns: &str,
             pool: usize,
-            driver_defaults: bool,
+            mode: PoolMode,
         ) -> Result<PgBackend, DbError> {
             let options = PgConnectOptions::from_str(url)
                 .map_err(db_error)?
                 .options([("search_path", ns)]);
             let max = u32::try_from(pool).unwrap_or(u32::MAX);
-            if driver_defaults {
-                // sqlx's defaults: a ping on every checkout.
-                let pool = PgPoolOptions::new()
-                    .max_connections(max)
-                    .test_before_acquire(true)
-                    .connect_with(options)
-                    .await
-                    .map_err(db_error)?;
-                Ok(PgBackend::from_pool(pool))
-            } else {
-                PgBackend::connect_with(options, max).await
-            }
+            let test_before_acquire = match mode {
+                PoolMode::Idem => return PgBackend::connect_with(options, max).await,
+                PoolMode::Driver => true,
+                PoolMode::Lean => false,
+            };
+            let pool = PgPoolOptions::new()
+                .max_connections(max)
+                .test_before_acquire(test_before_acquire)
+                .connect_with(options)
+                .await
+                .map_err(db_error)?;
+            Ok(PgBackend::from_pool(pool))
         }
 
         async fn release(b: PgBackend) {
@@ -250,7 +278,7 @@ mod mysql {
     use idem::mysql::{MysqlBackend, db_error, parse_url};
     use idem_conformance::mysql::MysqlBank;
 
-    use super::{BenchEngine, FILL_CHUNK, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
+    use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
 
     /// The seed's tables on InnoDB. Unlike the PostgreSQL original there is no foreign
     /// key from the record to the account: on InnoDB its check takes a shared lock on
@@ -322,16 +350,17 @@ END";
             url: &str,
             ns: &str,
             pool: usize,
-            driver_defaults: bool,
+            mode: PoolMode,
         ) -> Result<MysqlBackend, DbError> {
             let opts = parse_url(url)?;
             let mut pool_opts = opts.pool_opts().clone();
             if let Some(c) = PoolConstraints::new(pool.min(10), pool) {
                 pool_opts = pool_opts.with_constraints(c);
             }
-            if driver_defaults {
-                // mysql_async's default: COM_RESET_CONNECTION on every return.
-                pool_opts = pool_opts.with_reset_connection(true);
+            match mode {
+                PoolMode::Idem => {}
+                PoolMode::Driver => pool_opts = pool_opts.with_reset_connection(true),
+                PoolMode::Lean => pool_opts = pool_opts.with_reset_connection(false),
             }
             let opts = OptsBuilder::from_opts(opts)
                 .db_name(Some(ns))
@@ -438,7 +467,7 @@ mod sqlite {
     use idem::{DbError, ErrorKind};
     use idem_conformance::sqlite::SqliteBank;
 
-    use super::{BenchEngine, FILL_CHUNK, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
+    use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
 
     fn in_transaction<T>(
         c: &rusqlite::Connection,
@@ -465,7 +494,7 @@ mod sqlite {
             url: &str,
             ns: &str,
             pool: usize,
-            _driver_defaults: bool,
+            _mode: PoolMode,
         ) -> Result<SqliteBackend, DbError> {
             // The fixture's private file: `<stem>-<namespace>.db` beside the URL's file.
             let Location::File(path) = Location::parse(url)? else {

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::task::JoinSet;
 
-pub(crate) use engines::BenchEngine;
+pub(crate) use engines::{BenchEngine, PoolMode};
 
 use crate::fail::Fail;
 
@@ -109,7 +109,7 @@ pub(crate) struct Options {
     pub(crate) json: Option<PathBuf>,
     pub(crate) svg: Option<PathBuf>,
     pub(crate) with: Vec<PathBuf>,
-    pub(crate) driver_defaults: bool,
+    pub(crate) pool: PoolMode,
     pub(crate) round_trips: bool,
     pub(crate) growth: Option<u64>,
 }
@@ -382,7 +382,7 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
     let result = async {
         bank.setup().await?;
         let pool = opts.clients.iter().copied().max().unwrap_or(1);
-        let backend = K::attach(url, &ns, pool, opts.driver_defaults).await?;
+        let backend = K::attach(url, &ns, pool, opts.pool).await?;
         let outcome = measure::<K>(&bank, backend.clone(), url, &ns, &opts).await;
         K::release(backend).await;
         outcome
@@ -443,7 +443,7 @@ async fn measure<K: BenchEngine>(
             "release"
         }
         .into(),
-        pool: pool_description::<K>(opts.driver_defaults),
+        pool: opts.pool.describe(K::ENGINE).into(),
         clients: opts.clients.clone(),
         seconds_per_cell: opts.duration.as_secs_f64(),
         rounds: opts.rounds,
@@ -565,17 +565,6 @@ async fn measure<K: BenchEngine>(
     Ok(report)
 }
 
-fn pool_description<K: BenchEngine>(driver_defaults: bool) -> String {
-    let what = match (K::ENGINE, driver_defaults) {
-        ("postgres", true) => "sqlx defaults (test_before_acquire: a ping per checkout)",
-        ("postgres", false) => "idem's connect (no ping per checkout)",
-        ("mysql", true) => "mysql_async defaults (COM_RESET_CONNECTION per return)",
-        ("mysql", false) => "idem's connect (no reset per return)",
-        _ => "idem's connect",
-    };
-    what.into()
-}
-
 async fn count_round_trips<K: BenchEngine>(
     ctx: &Arc<Ctx<K>>,
     url: &str,
@@ -607,7 +596,7 @@ async fn count_round_trips<K: BenchEngine>(
         proxied.push(if proxied.contains('?') { '&' } else { '?' });
         proxied.push_str("prefer_socket=false");
     }
-    let backend = K::attach(&proxied, ns, 1, opts.driver_defaults).await?;
+    let backend = K::attach(&proxied, ns, 1, opts.pool).await?;
     let mut counted = Ctx::<K>::new(backend.clone(), format!("{}p", ctx.run), ctx.accounts)?;
     counted.replay_keys = ctx.replay_keys.clone();
     let counted = Arc::new(counted);
