@@ -47,10 +47,10 @@ pub(super) fn draw(reports: &[Report], file: &FsPath) -> Result<(), Fail> {
             .flat_map(|r| r.cells.iter())
             .filter(|c| c.clients == n)
             .map(|c| c.ops_per_s)
-            .fold(1.0_f64, f64::max);
+            .fold(10.0_f64, f64::max);
         let mut chart = ChartBuilder::on(panel)
             .caption(
-                format!("operations per second, {n} client(s) (higher is better)"),
+                format!("operations per second, {n} client(s), log scale (higher is better)"),
                 ("sans-serif", 18),
             )
             .margin(12)
@@ -62,6 +62,7 @@ pub(super) fn draw(reports: &[Report], file: &FsPath) -> Result<(), Fail> {
         chart
             .configure_mesh()
             .disable_x_mesh()
+            .light_line_style(WHITE)
             .x_labels(paths.len() * slots)
             .x_label_formatter(&|v| match v {
                 SegmentValue::CenterOf(i) if i % slots == middle && i / slots < paths.len() => {
@@ -86,8 +87,8 @@ pub(super) fn draw(reports: &[Report], file: &FsPath) -> Result<(), Fail> {
                 let slot = i * slots + e;
                 Some(Rectangle::new(
                     [
-                        (SegmentValue::Exact(slot), 0.0),
-                        (SegmentValue::Exact(slot + 1), cell.ops_per_s),
+                        (SegmentValue::Exact(slot), 1.0),
+                        (SegmentValue::Exact(slot + 1), cell.ops_per_s.max(1.0)),
                     ],
                     color.filled(),
                 ))

@@ -391,6 +391,16 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
     let closed = bank.close().await;
     let report = result?;
     closed?;
+    // Figures with failed operations in them are no measurement: say so in the exit code.
+    let failed: u64 = report.cells.iter().map(|c| c.errors).sum();
+    let errors = if failed == 0 {
+        Ok(())
+    } else {
+        Err(Fail::new(
+            1,
+            format!("{failed} operation(s) failed during the run (see \"first error\" above)"),
+        ))
+    };
     if let Some(path) = &opts.json {
         let text = serde_json::to_string_pretty(&report)
             .map_err(|e| Fail::new(1, format!("cannot encode the report: {e}")))?;
@@ -417,7 +427,7 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
         chart::draw(&reports, svg)?;
         println!("chart written to {}", svg.display());
     }
-    Ok(())
+    errors
 }
 
 async fn measure<K: BenchEngine>(
