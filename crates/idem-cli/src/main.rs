@@ -129,6 +129,9 @@ enum Command {
         /// Skip counting round trips through the loopback proxy.
         #[arg(long)]
         no_round_trips: bool,
+        /// Run the idem paths without the replay fast path (`Idem::with_fast_path(false)`).
+        #[arg(long)]
+        no_fast_path: bool,
         /// Instead of the paths: fill this many expired records (at least 1 000 000 for
         /// the documented figures), report bytes per record, and purge them while new
         /// requests run at the largest client count.
@@ -219,6 +222,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             with,
             pool,
             no_round_trips,
+            no_fast_path,
             growth,
         } => {
             let opts = bench::Options {
@@ -231,6 +235,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 with,
                 pool,
                 round_trips: !no_round_trips,
+                fast_path: !no_fast_path,
                 growth,
             };
             match idem::Engine::from_url(url)? {

@@ -121,9 +121,8 @@ pub(super) fn print(report: &Report) {
         report.engine, report.server, report.build, report.load_before, report.load_after
     );
     println!(
-        "stored record ({} key, request {}, response {}): {:.0} bytes per record, table plus indexes \
+        "stored record (UUID key, request {}, response {}): {:.0} bytes per record, table plus indexes \
          ({} → {} bytes over {} records; {})",
-        "36-character",
         g.typical_request,
         g.typical_response,
         g.bytes_per_record,

@@ -111,6 +111,7 @@ pub(crate) struct Options {
     pub(crate) with: Vec<PathBuf>,
     pub(crate) pool: PoolMode,
     pub(crate) round_trips: bool,
+    pub(crate) fast_path: bool,
     pub(crate) growth: Option<u64>,
 }
 
@@ -155,6 +156,8 @@ pub(crate) struct Report {
     pub(crate) server: String,
     pub(crate) build: String,
     pub(crate) pool: String,
+    #[serde(default = "yes")]
+    pub(crate) fast_path: bool,
     pub(crate) clients: Vec<usize>,
     pub(crate) seconds_per_cell: f64,
     pub(crate) rounds: u32,
@@ -184,9 +187,9 @@ struct Ctx<K: BenchEngine> {
 }
 
 impl<K: BenchEngine> Ctx<K> {
-    fn new(backend: K::B, run: String, accounts: i64) -> Result<Self, Fail> {
+    fn new(backend: K::B, run: String, accounts: i64, fast_path: bool) -> Result<Self, Fail> {
         Ok(Self {
-            idem: Idem::new(backend.clone()),
+            idem: Idem::new(backend.clone()).with_fast_path(fast_path),
             backend,
             scope: Scope::new(Principal::new("bench")?, Operation::new("debit", 1)?),
             request: Request::new(json!({ "amount": 1 })),
@@ -350,6 +353,10 @@ async fn run_cell<K: BenchEngine>(
     total
 }
 
+fn yes() -> bool {
+    true
+}
+
 fn load_average() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
@@ -440,7 +447,7 @@ async fn measure<K: BenchEngine>(
     let server = bank.server_version().await?;
     let load_before = load_average();
     let run = run_tag();
-    let mut ctx = Ctx::<K>::new(backend, run.clone(), opts.accounts)?;
+    let mut ctx = Ctx::<K>::new(backend, run.clone(), opts.accounts, opts.fast_path)?;
     for account in 1..=opts.accounts {
         bank.set_balance(account, i64::MAX / 4).await?;
     }
@@ -454,6 +461,7 @@ async fn measure<K: BenchEngine>(
         }
         .into(),
         pool: opts.pool.describe(K::ENGINE).into(),
+        fast_path: opts.fast_path,
         clients: opts.clients.clone(),
         seconds_per_cell: opts.duration.as_secs_f64(),
         rounds: opts.rounds,
@@ -607,7 +615,12 @@ async fn count_round_trips<K: BenchEngine>(
         proxied.push_str("prefer_socket=false");
     }
     let backend = K::attach(&proxied, ns, 1, opts.pool).await?;
-    let mut counted = Ctx::<K>::new(backend.clone(), format!("{}p", ctx.run), ctx.accounts)?;
+    let mut counted = Ctx::<K>::new(
+        backend.clone(),
+        format!("{}p", ctx.run),
+        ctx.accounts,
+        opts.fast_path,
+    )?;
     counted.replay_keys = ctx.replay_keys.clone();
     let counted = Arc::new(counted);
     let settle = Duration::from_millis(100);
@@ -644,8 +657,12 @@ fn fmt_ratio(r: Option<f64>) -> String {
 
 fn print(report: &Report) {
     println!(
-        "idem bench on {} ({}), {} build; pool: {}",
-        report.engine, report.server, report.build, report.pool
+        "idem bench on {} ({}), {} build; pool: {}; fast path {}",
+        report.engine,
+        report.server,
+        report.build,
+        report.pool,
+        if report.fast_path { "on" } else { "off" }
     );
     println!(
         "{} round(s) x {:.1} s per cell, cells interleaved and rotated; {} accounts; load average before {}, after {}",
