@@ -169,6 +169,8 @@ pub(crate) struct Report {
     pub(crate) round_trips: Vec<RoundTrips>,
     pub(crate) round_trip_method: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) round_trip_error: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) growth: Option<growth::Growth>,
 }
 
@@ -400,7 +402,9 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
     closed?;
     // Figures with failed operations in them are no measurement: say so in the exit code.
     let failed: u64 = report.cells.iter().map(|c| c.errors).sum();
-    let errors = if failed == 0 {
+    let errors = if let Some(e) = &report.round_trip_error {
+        Err(Fail::new(1, format!("counting round trips failed: {e}")))
+    } else if failed == 0 {
         Ok(())
     } else {
         Err(Fail::new(
@@ -472,6 +476,7 @@ async fn measure<K: BenchEngine>(
         ratios: Vec::new(),
         round_trips: Vec::new(),
         round_trip_method: String::new(),
+        round_trip_error: None,
         growth: None,
     };
     if let Some(records) = opts.growth {
@@ -574,7 +579,12 @@ async fn measure<K: BenchEngine>(
             "a loopback TCP proxy counts client-to-server bursts (bytes the client sends before the server answers), \
              over {RT_OPS} sequential operations per path on a pool of one connection, pool pings and resets included"
         );
-        report.round_trips = count_round_trips::<K>(&ctx, url, ns, &paths, opts).await?;
+        // A failure here must not throw away the measured cells: it is reported, and the
+        // run still exits with an error.
+        match count_round_trips::<K>(&ctx, url, ns, &paths, opts).await {
+            Ok(counted) => report.round_trips = counted,
+            Err(e) => report.round_trip_error = Some(e.message),
+        }
     } else if !K::NETWORK {
         report.round_trip_method =
             "not counted: SQLite runs in process (no network round trips)".into();
@@ -713,6 +723,9 @@ fn print(report: &Report) {
     if !report.round_trip_method.is_empty() {
         println!();
         println!("round trips: {}", report.round_trip_method);
+    }
+    if let Some(e) = &report.round_trip_error {
+        println!("round trips not counted: {e}");
     }
     if report.build == "debug" {
         println!(
