@@ -122,6 +122,9 @@ enum Command {
         /// Earlier `--json` reports (other engines) to include in the chart.
         #[arg(long, requires = "svg")]
         with: Vec<PathBuf>,
+        /// Measure nothing: only draw the `--svg` chart from the `--with` reports.
+        #[arg(long, requires = "svg")]
+        chart_only: bool,
         /// The pool's set-up: idem's `connect`; the driver's defaults (a ping per checkout on
         /// PostgreSQL, a session reset per return on MySQL); or lean (neither).
         #[arg(long, value_enum, default_value = "idem")]
@@ -224,6 +227,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             no_round_trips,
             no_fast_path,
             growth,
+            chart_only,
         } => {
             let opts = bench::Options {
                 clients,
@@ -236,6 +240,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 pool,
                 round_trips: !no_round_trips,
                 fast_path: !no_fast_path,
+                chart_only,
                 growth,
             };
             match idem::Engine::from_url(url)? {

@@ -1,5 +1,7 @@
-//! The SVG chart of `idem bench --svg`: ops/s per engine and path, one panel per client
-//! count, drawn with plotters from the reports of this run and of `--with` files.
+//! The SVG chart of `idem bench --svg`: ops/s per engine and path, drawn with plotters
+//! from the reports of this run and of `--with` files. One panel per engine (each with
+//! its own scale: SQLite's in-process figures are many times the server engines'), one
+//! bar per client count in every path's group.
 
 use std::path::Path as FsPath;
 
@@ -21,44 +23,46 @@ fn failed(e: impl std::fmt::Display) -> Fail {
 }
 
 pub(super) fn draw(reports: &[Report], file: &FsPath) -> Result<(), Fail> {
+    let reports: Vec<&Report> = reports.iter().filter(|r| !r.cells.is_empty()).collect();
+    if reports.is_empty() {
+        return Err(Fail::new(
+            crate::fail::INVALID_INPUT,
+            "no path measurements to chart (a --growth report has none)",
+        ));
+    }
     let mut clients: Vec<usize> = reports
         .iter()
         .flat_map(|r| r.cells.iter().map(|c| c.clients))
         .collect();
     clients.sort_unstable();
     clients.dedup();
-    if clients.is_empty() {
-        return Err(Fail::new(
-            crate::fail::INVALID_INPUT,
-            "no path measurements to chart (a --growth report has none)",
-        ));
-    }
     let paths = Path::ALL;
-    // One slot per engine plus a gap, per path.
-    let slots = reports.len() + 1;
-    let width = 1100_u32;
-    let height = 360 * u32::try_from(clients.len()).unwrap_or(1);
-    let root = SVGBackend::new(file, (width, height)).into_drawing_area();
+    // One slot per client count plus a gap, per path.
+    let slots = clients.len() + 1;
+    let height = 340 * u32::try_from(reports.len()).unwrap_or(1);
+    let root = SVGBackend::new(file, (1100, height)).into_drawing_area();
     root.fill(&WHITE).map_err(failed)?;
-    let panels = root.split_evenly((clients.len(), 1));
-    for (panel, &n) in panels.iter().zip(&clients) {
-        let max = reports
+    let panels = root.split_evenly((reports.len(), 1));
+    for (panel, report) in panels.iter().zip(&reports) {
+        let max = report
+            .cells
             .iter()
-            .flat_map(|r| r.cells.iter())
-            .filter(|c| c.clients == n)
             .map(|c| c.ops_per_s)
-            .fold(10.0_f64, f64::max);
+            .fold(1.0_f64, f64::max);
         let mut chart = ChartBuilder::on(panel)
             .caption(
-                format!("operations per second, {n} client(s), log scale (higher is better)"),
-                ("sans-serif", 18),
+                format!(
+                    "{}: operations per second by path (higher is better)",
+                    report.server
+                ),
+                ("sans-serif", 17),
             )
             .margin(12)
-            .x_label_area_size(36)
+            .x_label_area_size(30)
             .y_label_area_size(70)
-            .build_cartesian_2d((0..paths.len() * slots).into_segmented(), 0.0..max * 1.1)
+            .build_cartesian_2d((0..paths.len() * slots).into_segmented(), 0.0..max * 1.3)
             .map_err(failed)?;
-        let middle = reports.len() / 2;
+        let middle = clients.len() / 2;
         chart
             .configure_mesh()
             .disable_x_mesh()
@@ -74,21 +78,22 @@ pub(super) fn draw(reports: &[Report], file: &FsPath) -> Result<(), Fail> {
                 }
                 _ => String::new(),
             })
+            .y_label_formatter(&|v| format!("{v:.0}"))
             .y_desc("ops/s")
             .draw()
             .map_err(failed)?;
-        for (e, report) in reports.iter().enumerate() {
-            let color = COLORS[e % COLORS.len()];
+        for (k, &n) in clients.iter().enumerate() {
+            let color = COLORS[k % COLORS.len()];
             let bars = paths.iter().enumerate().filter_map(|(i, p)| {
                 let cell = report
                     .cells
                     .iter()
                     .find(|c| c.clients == n && c.path == *p)?;
-                let slot = i * slots + e;
+                let slot = i * slots + k;
                 Some(Rectangle::new(
                     [
-                        (SegmentValue::Exact(slot), 1.0),
-                        (SegmentValue::Exact(slot + 1), cell.ops_per_s.max(1.0)),
+                        (SegmentValue::Exact(slot), 0.0),
+                        (SegmentValue::Exact(slot + 1), cell.ops_per_s),
                     ],
                     color.filled(),
                 ))
@@ -96,7 +101,7 @@ pub(super) fn draw(reports: &[Report], file: &FsPath) -> Result<(), Fail> {
             chart
                 .draw_series(bars)
                 .map_err(failed)?
-                .label(format!("{} ({})", report.engine, report.server))
+                .label(format!("{n} client(s)"))
                 .legend(move |(x, y)| {
                     Rectangle::new([(x, y - 5), (x + 10, y + 5)], color.filled())
                 });

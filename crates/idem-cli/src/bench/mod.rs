@@ -113,6 +113,7 @@ pub(crate) struct Options {
     pub(crate) round_trips: bool,
     pub(crate) fast_path: bool,
     pub(crate) growth: Option<u64>,
+    pub(crate) chart_only: bool,
 }
 
 /// One path at one client count, summed over the rounds.
@@ -386,6 +387,17 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
             "--clients needs one or more positive counts, such as 1,16,64",
         ));
     }
+    if opts.chart_only {
+        let Some(svg) = &opts.svg else {
+            return Err(Fail::new(
+                crate::fail::INVALID_INPUT,
+                "--chart-only needs --svg FILE and the --with reports to draw",
+            ));
+        };
+        chart::draw(&read_reports(&opts.with)?, svg)?;
+        println!("chart written to {}", svg.display());
+        return Ok(());
+    }
     let ns = namespace("bench");
     let bank = K::connect(url, Some(&ns)).await?;
     let result = async {
@@ -420,11 +432,21 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
         println!("report written to {}", path.display());
     }
     if let Some(svg) = &opts.svg {
-        let mut reports = vec![report];
-        for path in &opts.with {
+        let mut reports = read_reports(&opts.with)?;
+        reports.push(report);
+        chart::draw(&reports, svg)?;
+        println!("chart written to {}", svg.display());
+    }
+    errors
+}
+
+fn read_reports(paths: &[PathBuf]) -> Result<Vec<Report>, Fail> {
+    paths
+        .iter()
+        .map(|path| {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| Fail::new(1, format!("cannot read {}: {e}", path.display())))?;
-            let other: Report = serde_json::from_str(&text).map_err(|e| {
+            serde_json::from_str(&text).map_err(|e| {
                 Fail::new(
                     crate::fail::INVALID_INPUT,
                     format!(
@@ -432,13 +454,9 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
                         path.display()
                     ),
                 )
-            })?;
-            reports.push(other);
-        }
-        chart::draw(&reports, svg)?;
-        println!("chart written to {}", svg.display());
-    }
-    errors
+            })
+        })
+        .collect()
 }
 
 async fn measure<K: BenchEngine>(
