@@ -243,6 +243,9 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 chart_only,
                 growth,
             };
+            if opts.chart_only {
+                return bench::chart_only(&opts);
+            }
             match idem::Engine::from_url(url)? {
                 #[cfg(feature = "sqlite")]
                 idem::Engine::Sqlite => {
