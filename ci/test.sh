@@ -136,4 +136,30 @@ if [ -n "$(ls -A "$demo_dir")" ]; then
   exit 1
 fi
 
+step "criterion benchmarks in test mode (each benchmark once, nothing timed)"
+cargo test --locked -p idem-cli --benches
+
+step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation)"
+bench_dir=$(mktemp -d)
+trap 'rm -rf "$demo_dir" "$bench_dir"' EXIT
+smoke=(bench --clients 1,2 --duration 200ms --rounds 1)
+(cd "$bench_dir" && "$idem" --url sqlite://bench.db "${smoke[@]}" --json sqlite.json >/dev/null)
+charted=(--with "$bench_dir/sqlite.json")
+if wants postgres; then
+  "$idem" --url "$IDEM_POSTGRES_URL" "${smoke[@]}" --json "$bench_dir/postgres.json" >/dev/null
+  charted+=(--with "$bench_dir/postgres.json")
+fi
+if wants mysql; then
+  "$idem" --url "$IDEM_MYSQL_URL" "${smoke[@]}" --json "$bench_dir/mysql.json" >/dev/null
+  charted+=(--with "$bench_dir/mysql.json")
+fi
+"$idem" bench --chart-only --svg "$bench_dir/chart.svg" "${charted[@]}" >/dev/null
+grep -q "<svg" "$bench_dir/chart.svg"
+rm -f "$bench_dir"/*.json "$bench_dir"/chart.svg
+if [ -n "$(ls -A "$bench_dir")" ]; then
+  echo "idem bench left files behind: $(ls -A "$bench_dir")" >&2
+  exit 1
+fi
+echo "idem bench on every required engine: ok"
+
 step "all checks passed"

@@ -117,11 +117,50 @@ enum Command {
         #[arg(long, allow_negative_numbers = true)]
         amount: i64,
     },
-    /// Measure the protocol's paths on this database and print their cost ratios.
+    /// Measure the protocol's paths beside the bare effect on this database (SQLite,
+    /// PostgreSQL, MySQL/MariaDB), in a private namespace removed afterwards: throughput,
+    /// p50/p99 latency, the ratios new ÷ bare, replay ÷ read, new ÷ server-side function,
+    /// and round trips per operation.
     Bench {
-        /// Calls per path.
-        #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
-        iterations: u32,
+        /// Concurrent clients per cell, comma-separated; the pool holds the largest count.
+        #[arg(long, value_delimiter = ',', default_value = "1,16")]
+        clients: Vec<usize>,
+        /// How long each cell runs, per round (for example 5s, 500ms).
+        #[arg(long, default_value = "5s", value_parser = commands::parse_duration)]
+        duration: std::time::Duration,
+        /// Rounds: every cell runs once per round, in a rotated order.
+        #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+        rounds: u32,
+        /// Accounts the debits pick from at random.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(i64).range(1..=1_000_000))]
+        accounts: i64,
+        /// Also write the report as JSON.
+        #[arg(long)]
+        json: Option<PathBuf>,
+        /// Draw an SVG chart of ops/s per engine and path (this run plus `--with` reports).
+        #[arg(long)]
+        svg: Option<PathBuf>,
+        /// Earlier `--json` reports (other engines) to include in the chart.
+        #[arg(long, requires = "svg")]
+        with: Vec<PathBuf>,
+        /// Measure nothing: only draw the `--svg` chart from the `--with` reports.
+        #[arg(long, requires = "svg")]
+        chart_only: bool,
+        /// The pool's set-up: idem's `connect`; the driver's defaults (a ping per checkout on
+        /// PostgreSQL, a session reset per return on MySQL); or lean (neither).
+        #[arg(long, value_enum, default_value = "idem")]
+        pool: bench::PoolMode,
+        /// Skip counting round trips through the loopback proxy.
+        #[arg(long)]
+        no_round_trips: bool,
+        /// Run the idem paths without the replay fast path (`Idem::with_fast_path(false)`).
+        #[arg(long)]
+        no_fast_path: bool,
+        /// Instead of the paths: fill this many expired records (at least 1 000 000 for
+        /// the documented figures), report bytes per record, and purge them while new
+        /// requests run at the largest client count.
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
+        growth: Option<u64>,
     },
     /// Serve the demo bank over HTTP with Idempotency-Key (see docs/http.md): PUT/GET
     /// /accounts/{id}, POST /accounts/{id}/debits (bearer principal), POST
@@ -224,12 +263,63 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         } => {
             with_bank!(url, K => commands::credit_message::<K>(url, &subscriber, &message_id, account, amount).await)
         }
-        Command::Bench { iterations } => {
+        Command::Bench {
+            clients,
+            duration,
+            rounds,
+            accounts,
+            json,
+            svg,
+            with,
+            pool,
+            no_round_trips,
+            no_fast_path,
+            growth,
+            chart_only,
+        } => {
+            let opts = bench::Options {
+                clients,
+                duration,
+                rounds,
+                accounts,
+                json,
+                svg,
+                with,
+                pool,
+                round_trips: !no_round_trips,
+                fast_path: !no_fast_path,
+                chart_only,
+                growth,
+            };
+            if opts.chart_only {
+                return bench::chart_only(&opts);
+            }
             let url = explicit_url(cli.url.as_deref(), "bench")?;
-            with_bank!(url, K => {
-                commands::probe::<K>(url).await?;
-                bench::run::<K>(url, iterations).await
-            })
+            with_bank!(url, K => commands::probe::<K>(url).await)?;
+            match idem::Engine::from_url(url)? {
+                #[cfg(feature = "sqlite")]
+                idem::Engine::Sqlite => {
+                    bench::run::<idem_conformance::sqlite::SqliteBank>(url, opts).await
+                }
+                #[cfg(feature = "postgres")]
+                idem::Engine::Postgres => {
+                    bench::run::<idem_conformance::postgres::PgBank>(url, opts).await
+                }
+                #[cfg(feature = "mysql")]
+                idem::Engine::Mysql => {
+                    bench::run::<idem_conformance::mysql::MysqlBank>(url, opts).await
+                }
+                #[allow(unreachable_patterns)]
+                other @ (idem::Engine::Mssql | idem::Engine::Oracle) => Err(Fail::new(
+                    fail::INVALID_INPUT,
+                    format!(
+                        "idem bench measures SQLite, PostgreSQL and MySQL/MariaDB, not {}",
+                        other.name()
+                    ),
+                )),
+                #[allow(unreachable_patterns)]
+                other => Err(Fail::from(other.not_compiled())),
+            }
         }
         Command::Serve {
             listen,

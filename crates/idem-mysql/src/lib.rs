@@ -254,7 +254,15 @@ fn has_query_param(rest: &str, name: &str) -> bool {
 /// Parses a `mysql://` or `mariadb://` URL (`mariadb://` is rewritten to `mysql://` for
 /// the driver; schemes are case-insensitive). Without `pool_min`/`pool_max` in the URL,
 /// the pool holds up to [`DEFAULT_MAX_CONNECTIONS`] connections. Other query parameters
-/// are the driver's (`?reset_connection=false`, `?stmt_cache_size=64`, …).
+/// are the driver's (`?reset_connection=true`, `?stmt_cache_size=64`, …).
+///
+/// Unless the URL sets `reset_connection`, connections are not reset
+/// (`COM_RESET_CONNECTION`, one round trip) each time they return to the pool:
+/// mysql_async still drops any unread result and rolls back an open transaction before
+/// a returned connection is reused, and discards it if that fails. Session state an
+/// effect changes on purpose (`SET SESSION …`, user variables, temporary tables, named
+/// locks) does carry over to the next checkout then; add `?reset_connection=true` if
+/// your effects do that.
 pub fn parse_url(url: &str) -> Result<Opts, DbError> {
     let url = url.trim();
     let Some((scheme, rest)) = url.split_once("://") else {
@@ -269,14 +277,16 @@ pub fn parse_url(url: &str) -> Result<Opts, DbError> {
     }
     let opts = Opts::from_url(&format!("mysql://{rest}"))
         .map_err(|e| config(format!("invalid MySQL URL: {e}")).with_source(e))?;
-    if has_query_param(rest, "pool_min") || has_query_param(rest, "pool_max") {
-        return Ok(opts);
+    let mut pool_opts = opts.pool_opts().clone();
+    if !has_query_param(rest, "reset_connection") {
+        pool_opts = pool_opts.with_reset_connection(false);
     }
-    let min = DEFAULT_POOL_CONSTRAINTS.min().min(DEFAULT_MAX_CONNECTIONS);
-    let Some(constraints) = PoolConstraints::new(min, DEFAULT_MAX_CONNECTIONS) else {
-        return Ok(opts);
-    };
-    let pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+    if !has_query_param(rest, "pool_min") && !has_query_param(rest, "pool_max") {
+        let min = DEFAULT_POOL_CONSTRAINTS.min().min(DEFAULT_MAX_CONNECTIONS);
+        if let Some(constraints) = PoolConstraints::new(min, DEFAULT_MAX_CONNECTIONS) {
+            pool_opts = pool_opts.with_constraints(constraints);
+        }
+    }
     Ok(OptsBuilder::from_opts(opts).pool_opts(pool_opts).into())
 }
 
@@ -888,6 +898,22 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn pools_skip_the_reset_per_return_unless_the_url_asks_for_it() {
+        let reset = |url: &str| parse_url(url).expect("url").pool_opts().reset_connection();
+        assert!(!reset("mysql://u@h/db"));
+        assert!(!reset("mariadb://u@h/db?pool_min=1&pool_max=4"));
+        assert!(reset("mysql://u@h/db?reset_connection=true"));
+        assert!(!reset("mysql://u@h/db?reset_connection=false"));
+        let opts = parse_url("mysql://u@h/db?pool_min=1&pool_max=4").expect("url");
+        assert_eq!(opts.pool_opts().constraints().max(), 4);
+        let opts = parse_url("mysql://u@h/db").expect("url");
+        assert_eq!(
+            opts.pool_opts().constraints().max(),
+            DEFAULT_MAX_CONNECTIONS
+        );
     }
 
     #[test]

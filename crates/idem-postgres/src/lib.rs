@@ -112,6 +112,12 @@ impl PgBackend {
     /// Connects with explicit options (for example a `search_path`). One direct connection
     /// is made first, so an unreachable server fails at once with the driver's own error
     /// instead of a pool timeout.
+    ///
+    /// The pool keeps sqlx's ping on every checkout (`test_before_acquire`), one round
+    /// trip per call. A pool built with `PgPoolOptions::test_before_acquire(false)` and
+    /// passed to [`PgBackend::from_pool`] saves it (measured in `docs/performance.md`);
+    /// sqlx still pings every returned connection, which sends the `ROLLBACK` a dropped
+    /// transaction queued, and closes the connection if that fails.
     pub async fn connect_with(
         options: PgConnectOptions,
         max_connections: u32,
