@@ -3,6 +3,8 @@
 
 mod bench;
 mod commands;
+#[cfg(any(feature = "amqp", feature = "nats"))]
+mod consume;
 mod demo;
 mod fail;
 
@@ -96,6 +98,15 @@ enum Command {
         #[arg(long, allow_negative_numbers = true)]
         amount: i64,
     },
+    /// Credit the demo account once per message from RabbitMQ (--amqp, --queue) or NATS
+    /// JetStream (--nats, --stream, --consumer), acknowledging only after the commit.
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    #[command(after_long_help = consume::MESSAGE_FORMAT)]
+    Consume(consume::ConsumeArgs),
+    /// Publish demo messages (chosen IDs, duplicates on purpose) to RabbitMQ or JetStream.
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    #[command(after_long_help = consume::MESSAGE_FORMAT)]
+    Publish(consume::PublishArgs),
     /// Measure the protocol's paths on this database and print their cost ratios.
     Bench {
         /// Calls per path.
@@ -176,6 +187,12 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         } => {
             with_bank!(url, K => commands::credit_message::<K>(url, &subscriber, &message_id, account, amount).await)
         }
+        #[cfg(any(feature = "amqp", feature = "nats"))]
+        Command::Consume(args) => {
+            with_bank!(url, K => consume::consume::<K>(url, args).await)
+        }
+        #[cfg(any(feature = "amqp", feature = "nats"))]
+        Command::Publish(args) => consume::publish(args).await,
         Command::Bench { iterations } => {
             with_bank!(url, K => bench::run::<K>(url, iterations).await)
         }

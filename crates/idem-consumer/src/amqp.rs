@@ -243,7 +243,11 @@ where
             Idle::Item(Some(Ok(d))) => d,
         };
         stats.delivered += 1;
-        let id = delivery.properties.message_id().as_ref().map(|s| s.as_str());
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .map(|s| s.as_str());
         let decision = consumer.handle(id, &delivery.data).await;
         consumer.handler().observe(&Event {
             message_id: id,

@@ -97,7 +97,9 @@ pub fn classify<R, E: fmt::Display>(
         Ok(Consumed::Duplicate) => Decision::Duplicate,
         Err(Error::PayloadMismatch { stored, supplied }) => Decision::dead_letter(
             DeadLetterReason::PayloadMismatch,
-            format!("message ID reused with a different payload (stored {stored}, supplied {supplied})"),
+            format!(
+                "message ID reused with a different payload (stored {stored}, supplied {supplied})"
+            ),
         ),
         Err(Error::InvalidInput(e)) => {
             Decision::dead_letter(DeadLetterReason::InvalidMessageId, e.to_string())
@@ -150,7 +152,10 @@ mod tests {
             "{d:?}"
         );
         let d = classify::<u8, Boom>(
-            Err(Error::InvalidInput(InvalidInput::new("message ID", "too long"))),
+            Err(Error::InvalidInput(InvalidInput::new(
+                "message ID",
+                "too long",
+            ))),
             final_effect,
         );
         assert!(matches!(

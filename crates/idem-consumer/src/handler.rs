@@ -276,13 +276,15 @@ impl<B: Backend, H: Handler<B>> Consumer<B, H> {
     }
 }
 
-/// Counts consecutive failures to size the pause before the next nack.
+/// Counts consecutive redeliveries to size the pause before the next negative
+/// acknowledgement (for a loop over another broker, as in [`crate::amqp`]).
 #[derive(Debug, Default)]
-pub(crate) struct Failures(u32);
+pub struct Failures(u32);
 
 impl Failures {
-    /// The pause before returning a message after this decision (zero after a success).
-    pub(crate) fn after(&mut self, decision: &Decision, backoff: &Backoff) -> Option<Duration> {
+    /// The pause before returning a message after `decision` (`None` after a success,
+    /// which resets the count).
+    pub fn after(&mut self, decision: &Decision, backoff: &Backoff) -> Option<Duration> {
         if let Decision::Redeliver { .. } = decision {
             self.0 = self.0.saturating_add(1);
             Some(backoff.delay(self.0))

@@ -33,15 +33,15 @@ pub mod amqp;
 #[cfg(feature = "nats")]
 pub mod nats;
 
-pub use decision::{Decision, DeadLetterReason, classify};
+pub use decision::{DeadLetterReason, Decision, classify};
 pub use error::ConsumerError;
-pub use handler::{Backoff, Consumer, Event, Handler, OnEffectError, Options, Stats};
+pub use handler::{Backoff, Consumer, Event, Failures, Handler, OnEffectError, Options, Stats};
 pub use tokio_util::sync::CancellationToken;
 
-#[cfg(feature = "amqp")]
-pub use lapin;
 #[cfg(feature = "nats")]
 pub use async_nats;
+#[cfg(feature = "amqp")]
+pub use lapin;
 
 pub use idem_core::Idem;
 

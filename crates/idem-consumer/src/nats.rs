@@ -118,7 +118,9 @@ impl NatsConfig {
 
     fn validate(&self) -> Result<(), ConsumerError> {
         let bad = |what: &str, v: &str| {
-            v.is_empty() || v.chars().any(|c| c.is_whitespace() || c == '.' && what != "subject")
+            v.is_empty()
+                || v.chars()
+                    .any(|c| c.is_whitespace() || c == '.' && what != "subject")
         };
         if bad("stream", &self.stream) {
             return Err(ConsumerError::Config(format!(
@@ -295,10 +297,7 @@ where
                         () = tokio::time::sleep(pause) => {}
                     }
                 }
-                None => message
-                    .double_ack()
-                    .await
-                    .map_err(broker("acknowledge"))?,
+                None => message.double_ack().await.map_err(broker("acknowledge"))?,
             }
             stats.count(&decision);
         }

@@ -6,6 +6,9 @@ pub use idem_core::{
     MessageId, Operation, Outcome, Principal, PurgeReport, Request, RetryPolicy, Scope, Subscriber,
 };
 
+/// Idempotent consumers on RabbitMQ (feature `amqp`) and NATS JetStream (feature `nats`).
+#[cfg(any(feature = "amqp", feature = "nats"))]
+pub use idem_consumer as consumer;
 #[cfg(feature = "mssql")]
 pub use idem_mssql as mssql;
 #[cfg(feature = "mysql")]
