@@ -2,12 +2,15 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), and the README's walkthrough on each required engine.
+# name otherwise), the broker consumer tests (RabbitMQ and NATS JetStream, required) on
+# each required engine, and the README's walkthrough on each required engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export IDEM_POSTGRES_URL=${IDEM_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export IDEM_MYSQL_URL=${IDEM_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}
+export IDEM_AMQP_URL=${IDEM_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
+export IDEM_NATS_URL=${IDEM_NATS_URL:-nats://127.0.0.1:4222}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # Which engines this run requires (the container matrix narrows it per job).
 IDEM_ENGINES=${IDEM_ENGINES:-"sqlite postgres mysql"}
@@ -19,6 +22,9 @@ source ci/services.sh
 step "services"
 if wants postgres; then ensure_postgres "$IDEM_POSTGRES_URL"; fi
 if wants mysql; then ensure_mariadb "$IDEM_MYSQL_URL"; fi
+ensure_rabbitmq "$IDEM_AMQP_URL"
+ensure_nats "$IDEM_NATS_URL"
+if wants postgres; then ensure_postgres_binaries; fi
 
 step "format"
 cargo fmt --all --check
@@ -61,6 +67,13 @@ for engine in sqlite postgres mysql mssql oracle; do
       cargo test --locked -p idem-mysql --all-features --tests
       ;;
   esac
+done
+
+# The consumer processes under test are the `idem` binary built above.
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  step "idempotent consumers on RabbitMQ and NATS JetStream: $engine"
+  cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
 done
 
 step "the README's walkthrough"

@@ -35,9 +35,18 @@ use serde::Deserialize;
 use tokio::process::{Child, Command};
 
 type Res<T = ()> = Result<T, Failed>;
+/// A message to publish: its ID (none for a message without one) and its amount.
+type Msg = (Option<String>, i64);
 
-const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const NATS_URL: &str = "nats://127.0.0.1:4222";
+/// RabbitMQ (`IDEM_AMQP_URL`, by default the local broker as guest).
+fn amqp_url() -> String {
+    env_url("IDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")
+}
+
+/// NATS with JetStream (`IDEM_NATS_URL`, by default the local server).
+fn nats_url() -> String {
+    env_url("IDEM_NATS_URL", "nats://127.0.0.1:4222")
+}
 /// A hang guard only: no case asserts how long anything took.
 const GUARD: Duration = Duration::from_secs(600);
 const START: i64 = 1_000_000;
@@ -222,9 +231,14 @@ impl Topic {
         let name = unique(tag).to_uppercase();
         match broker {
             Broker::Amqp => {
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                let conn = Connection::connect(&amqp_url(), ConnectionProperties::default())
                     .await
-                    .map_err(|e| fail(format!("RabbitMQ at {AMQP_URL}: {e}")))?;
+                    .map_err(|e| {
+                        fail(format!(
+                            "RabbitMQ at {}: {e}",
+                            idem::consumer::amqp::redact(&amqp_url())
+                        ))
+                    })?;
                 let ch = conn
                     .create_channel()
                     .await
@@ -249,9 +263,9 @@ impl Topic {
                 })
             }
             Broker::Nats => {
-                let client = async_nats::connect(NATS_URL)
+                let client = async_nats::connect(nats_url())
                     .await
-                    .map_err(|e| fail(format!("NATS at {NATS_URL}: {e}")))?;
+                    .map_err(|e| fail(format!("NATS at {}: {e}", nats_url())))?;
                 let js = jetstream::new(client);
                 for (stream, subject) in [
                     (name.clone(), format!("{name}.in")),
@@ -280,13 +294,13 @@ impl Topic {
         let mut a: Vec<String> = match self.broker {
             Broker::Amqp => vec![
                 "--amqp".into(),
-                AMQP_URL.into(),
+                amqp_url(),
                 "--queue".into(),
                 self.name.clone(),
             ],
             Broker::Nats => vec![
                 "--nats".into(),
-                NATS_URL.into(),
+                nats_url(),
                 "--stream".into(),
                 self.name.clone(),
                 "--consumer".into(),
@@ -303,13 +317,13 @@ impl Topic {
         match self.broker {
             Broker::Amqp => vec![
                 "--amqp".into(),
-                AMQP_URL.into(),
+                amqp_url(),
                 "--queue".into(),
                 self.name.clone(),
             ],
             Broker::Nats => vec![
                 "--nats".into(),
-                NATS_URL.into(),
+                nats_url(),
                 "--subject".into(),
                 format!("{}.in", self.name),
             ],
@@ -318,7 +332,7 @@ impl Topic {
 
     /// Publishes `(id, account 1, amount)` messages, pipelined, and waits for every
     /// broker confirmation. Returns how many the broker stored.
-    async fn publish(&self, messages: &[(Option<String>, i64)]) -> Res<usize> {
+    async fn publish(&self, messages: &[Msg]) -> Res<usize> {
         let mut stored = 0;
         for chunk in messages.chunks(500) {
             match self.broker {
@@ -703,8 +717,8 @@ async fn same_message_n_times<K: Engine>(ctx: &Ctx<K>) -> Res {
     Ok(())
 }
 
-fn three() -> (Vec<(Option<String>, i64)>, BTreeMap<String, i64>) {
-    let msgs: Vec<(Option<String>, i64)> = [10, 20, 30]
+fn three() -> (Vec<Msg>, BTreeMap<String, i64>) {
+    let msgs: Vec<Msg> = [10, 20, 30]
         .into_iter()
         .map(|a| (Some(unique("m")), a))
         .collect();
@@ -841,8 +855,8 @@ async fn dead_letters<K: Engine>(ctx: &Ctx<K>) -> Res {
     Ok(())
 }
 
-fn distinct_messages(n: usize) -> (Vec<(Option<String>, i64)>, BTreeMap<String, i64>) {
-    let msgs: Vec<(Option<String>, i64)> = (0..n)
+fn distinct_messages(n: usize) -> (Vec<Msg>, BTreeMap<String, i64>) {
+    let msgs: Vec<Msg> = (0..n)
         .map(|i| (Some(format!("{}-{i}", unique("c"))), fastrand::i64(1..=100)))
         .collect();
     let distinct = msgs
@@ -981,9 +995,22 @@ struct PrivatePg {
     as_postgres: bool,
 }
 
+/// PostgreSQL's server programs: `IDEM_PG_BIN`, or the newest `/usr/lib/postgresql/*/bin`.
 fn pg_bin(name: &str) -> PathBuf {
-    let dir = std::env::var("IDEM_PG_BIN").unwrap_or_else(|_| "/usr/lib/postgresql/15/bin".into());
-    Path::new(&dir).join(name)
+    if let Ok(dir) = std::env::var("IDEM_PG_BIN") {
+        return Path::new(&dir).join(name);
+    }
+    let newest = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .max()
+        .unwrap_or(15);
+    Path::new("/usr/lib/postgresql")
+        .join(newest.to_string())
+        .join("bin")
+        .join(name)
 }
 
 impl PrivatePg {
