@@ -1143,6 +1143,9 @@ async fn database_down(broker: Broker) -> Res {
     result
 }
 
+/// How long the private PostgreSQL is down.
+const OUTAGE: Duration = Duration::from_secs(12);
+
 async fn database_down_on(broker: Broker, pg: &PrivatePg) -> Res {
     const N: usize = 3000;
     let url = pg.url();
@@ -1159,17 +1162,19 @@ async fn database_down_on(broker: Broker, pg: &PrivatePg) -> Res {
         let (msgs, distinct) = distinct_messages(N);
         ctx.topic.publish(&msgs).await?;
         let sub = "outage";
-        let child = spawn(&ctx.url, "consume", &consume_args(&ctx.topic, sub, &["--max-idle", "15"]))?;
+        let child = spawn(&ctx.url, "consume", &consume_args(&ctx.topic, sub, &["--max-idle", "30"]))?;
         wait_until_moved(&ctx.bank).await?;
         pg.stop().await?;
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // Longer than the backend pool's 10 s acquire timeout, so the outage is not hidden
+        // by a waiting pool: deliveries in it fail and must be returned and redelivered.
+        tokio::time::sleep(OUTAGE).await;
         pg.start().await?;
         let s = summary(child).await?;
         check(s.returned >= 1, || format!("the outage was not seen by the consumer: {s:?}"))?;
         check(s.applied == N as u64, || format!("applied {} of {N}: {s:?}", s.applied))?;
         let text = invariant(&ctx, sub, &distinct).await?;
         report(
-            "database down 3 s mid-stream",
+            "database down 12 s mid-stream",
             broker,
             "postgres (private instance)",
             &format!("{N} messages; returned for redelivery during the outage {}, delivered {}, applied {}, duplicates {}; {text}", s.returned, s.delivered, s.applied, s.duplicates),

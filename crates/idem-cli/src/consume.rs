@@ -48,16 +48,16 @@ pub(crate) struct ConsumeArgs {
     )]
     amqp: Option<String>,
     /// The queue (durable, no arguments; declared that way when missing).
-    #[arg(long, requires = "amqp")]
+    #[arg(long, requires = "amqp", required_unless_present = "nats")]
     queue: Option<String>,
     /// NATS URL (nats://host:4222): consume --stream through the durable --consumer.
     #[arg(long, value_name = "URL")]
     nats: Option<String>,
     /// The JetStream stream (created by others).
-    #[arg(long, requires = "nats")]
+    #[arg(long, requires = "nats", required_unless_present = "amqp")]
     stream: Option<String>,
     /// The durable JetStream consumer (created when missing).
-    #[arg(long, requires = "nats")]
+    #[arg(long, requires = "nats", required_unless_present = "amqp")]
     consumer: Option<String>,
     /// The subscriber: its own record per message ID.
     #[arg(long)]
@@ -240,7 +240,11 @@ pub(crate) async fn consume<K: Bank>(url: &str, args: ConsumeArgs) -> Result<(),
         Consumer::new(Idem::new(bank.backend().clone()), subscriber, handler).with_options(options);
     let shutdown = CancellationToken::new();
     cancel_on_signals(shutdown.clone())?;
-    let result = run_broker(&consumer, &args, shutdown).await;
+    let running = run_broker(&consumer, &args, shutdown);
+    // The loops can run on a spawned task: checked here at compile time.
+    fn is_send<T: Send>(_: &T) {}
+    is_send(&running);
+    let result = running.await;
     bank.close().await?;
     let stats = result?;
     println!(
