@@ -37,6 +37,11 @@ cargo clippy --locked -p idem --no-default-features -- -D warnings
 for feature in sqlite postgres mysql mssql oracle; do
   cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
 done
+# The broker clients are opt-in: neither, either, or both.
+cargo clippy --locked -p idem-consumer --no-default-features -- -D warnings
+for feature in amqp nats; do
+  cargo clippy --locked -p idem-consumer --no-default-features --features "$feature" -- -D warnings
+done
 
 step "documentation (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked
