@@ -33,7 +33,7 @@ step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
 step "each engine feature on its own (what a user picking one engine compiles)"
-cargo clippy --locked -p idem --no-default-features -- -D warnings
+cargo clippy --locked -p idem-db --no-default-features -- -D warnings
 for feature in sqlite postgres mysql mssql oracle; do
   cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
 done

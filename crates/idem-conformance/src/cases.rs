@@ -100,6 +100,11 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
             run: |k| Box::pin(purge_deletes_only_expired_in_batches(k)),
         },
         Case {
+            name: "in_flight_answers_in_progress",
+            promise: "a winner holding its key past the wait bound: losers get InProgress, then replay",
+            run: |k| Box::pin(in_flight_answers_in_progress(k)),
+        },
+        Case {
             name: "consumer_applies_once_per_subscriber",
             promise: "(subscriber, message_id) recorded with the effect, once per subscriber",
             run: |k| Box::pin(consumer_applies_once_per_subscriber(k)),
@@ -717,17 +722,30 @@ pub async fn expired_record_no_longer_replays<K: Bank>(bank: Arc<K>) -> CaseResu
     Ok(vec![])
 }
 
-/// (h) Purge deletes expired records in bounded batches and never a live one.
+/// (h) Purge deletes expired records in bounded batches and never a live one: each
+/// record's expiry is its own (set at the claim), so one purge is safe for operations
+/// with different windows.
 pub async fn purge_deletes_only_expired_in_batches<K: Bank>(bank: Arc<K>) -> CaseResult {
+    const WINDOW: Duration = Duration::from_millis(1500);
     bank.set_balance(1, 100_000).await?;
-    let idem = idem(&*bank);
-    let scope = scope("account-1", "debit:v1")?;
+    let idem = idem(&*bank).with_message_retention(WINDOW);
+    let short = Scope::new(
+        Principal::new("account-1")?,
+        Operation::new("debit", 1)?.with_retention(WINDOW),
+    );
+    // A 24-hour operation: claimed as early as the short ones, never purged by them.
+    let long = scope("account-1", "debit:v2")?;
     let runs = counter();
     for i in 0..25 {
-        debit::<K>(&idem, &scope, &format!("old-{i}"), 1, 1, &runs)
+        debit::<K>(&idem, &short, &format!("old-{i}"), 1, 1, &runs)
             .await?
             .map_err(|e| fail(e.to_string()))?;
     }
+    executed(
+        "long-lived",
+        debit::<K>(&idem, &long, "long-lived", 1, 1, &runs).await?,
+        100_000 - 26,
+    )?;
     let sub = Subscriber::new("balance-projection")?;
     for i in 0..3 {
         let id = MessageId::new(format!("m-{i}"))?;
@@ -738,10 +756,10 @@ pub async fn purge_deletes_only_expired_in_batches<K: Bank>(bank: Arc<K>) -> Cas
     tokio::time::sleep(Duration::from_millis(2000)).await;
     executed(
         "fresh",
-        debit::<K>(&idem, &scope, "fresh", 1, 1, &runs).await?,
-        100_000 - 26 + 3,
+        debit::<K>(&idem, &short, "fresh", 1, 1, &runs).await?,
+        100_000 - 27 + 3,
     )?;
-    let report = idem.purge(Duration::from_millis(1500), 10).await?;
+    let report = idem.purge(WINDOW, 10).await?;
     expect_eq("requests purged", report.requests, 25)?;
     expect_eq("messages purged", report.messages, 3)?;
     if report.batches < 4 {
@@ -749,19 +767,115 @@ pub async fn purge_deletes_only_expired_in_batches<K: Bank>(bank: Arc<K>) -> Cas
             "expected at least 3 request batches and 1 message batch, got {report:?}"
         )));
     }
-    expect_eq("records left", bank.count_records().await?, 1)?;
+    expect_eq("records left", bank.count_records().await?, 2)?;
     replayed(
         "the live record still replays",
-        debit::<K>(&idem, &scope, "fresh", 1, 1, &runs).await?,
-        100_000 - 26 + 3,
+        debit::<K>(&idem, &short, "fresh", 1, 1, &runs).await?,
+        100_000 - 27 + 3,
+    )?;
+    replayed(
+        "the 24-hour record, as old as the purged ones, still replays",
+        debit::<K>(&idem, &long, "long-lived", 1, 1, &runs).await?,
+        100_000 - 26,
     )?;
     Ok(vec![(
-        "purge of 25 expired + 1 live, batch 10",
+        "purge of 25 expired + 2 live (one with a 24 h window), batch 10",
         format!(
-            "{} deleted in {} statements, live record kept",
+            "{} deleted in {} statements, live records kept",
             report.requests + report.messages,
             report.batches
         ),
+    )])
+}
+
+/// (h2) A winner that holds its key longer than the wait bound: concurrent losers end
+/// with [`Error::InProgress`] (not retried, not a hang, not a pool-wide failure); once
+/// the winner commits, a retry replays its response; the effect ran once.
+pub async fn in_flight_answers_in_progress<K: Bank>(bank: Arc<K>) -> CaseResult {
+    const LOSERS: usize = 4;
+    const WAIT: Duration = Duration::from_millis(500);
+    // Generous: a guard against a hang, never a timing assertion.
+    const HANG_GUARD: Duration = Duration::from_secs(60);
+    bank.set_balance(1, 1000).await?;
+    let idem = Arc::new(idem(&*bank).with_wait_timeout(WAIT));
+    let scope = Arc::new(scope("account-1", "debit:v1")?);
+    let runs = counter();
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel::<()>();
+    let winner = {
+        let (idem, scope, runs) = (Arc::clone(&idem), Arc::clone(&scope), Arc::clone(&runs));
+        let mut signals = Some((started_tx, release_rx));
+        tokio::spawn(async move {
+            let key = Key::new("checkout-42")?;
+            Ok::<_, Failure>(
+                idem.execute(&scope, &key, &amount(100), move |tx| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    let signals = signals.take();
+                    Box::pin(async move {
+                        let b = K::debit(tx, 1, 100).await?;
+                        if let Some((started, release)) = signals {
+                            let _ = started.send(());
+                            // Hold the key until every loser has answered.
+                            let _ = tokio::time::timeout(HANG_GUARD, release).await;
+                        }
+                        Ok::<_, BankError>(b)
+                    })
+                })
+                .await,
+            )
+        })
+    };
+    tokio::time::timeout(HANG_GUARD, started_rx)
+        .await
+        .map_err(|_| fail("the winner's effect never started"))?
+        .map_err(|_| fail("the winner ended before its effect started"))?;
+    let mut losers = Vec::new();
+    for _ in 0..LOSERS {
+        let (idem, scope, runs) = (Arc::clone(&idem), Arc::clone(&scope), Arc::clone(&runs));
+        losers.push(tokio::spawn(async move {
+            let key = Key::new("checkout-42")?;
+            Ok::<_, Failure>(
+                idem.execute(&scope, &key, &amount(100), move |tx| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    K::debit(tx, 1, 100)
+                })
+                .await,
+            )
+        }));
+    }
+    let mut in_progress = 0;
+    for loser in losers {
+        let out = tokio::time::timeout(HANG_GUARD, loser)
+            .await
+            .map_err(|_| fail("a loser hung instead of answering InProgress"))?
+            .map_err(|e| fail(format!("task: {e}")))??;
+        match out {
+            Err(Error::InProgress { .. }) => in_progress += 1,
+            other => {
+                return Err(fail(format!(
+                    "a loser of an in-flight key: expected InProgress, got {other:?}"
+                )));
+            }
+        }
+    }
+    expect_eq("losers answered InProgress", in_progress, LOSERS)?;
+    let _ = release_tx.send(());
+    let won = tokio::time::timeout(HANG_GUARD, winner)
+        .await
+        .map_err(|_| fail("the winner hung"))?
+        .map_err(|e| fail(format!("task: {e}")))??;
+    executed("winner", won, 900)?;
+    replayed(
+        "a retry after the winner committed",
+        debit::<K>(&idem, &scope, "checkout-42", 1, 100, &runs).await?,
+        900,
+    )?;
+    expect_eq("effect invocations", runs.load(Ordering::SeqCst), 1)?;
+    expect_eq("balance", bank.balance(1).await?, 900)?;
+    expect_eq("records", bank.count_records().await?, 1)?;
+    Ok(vec![(
+        "4 losers of a key held past a 500 ms bound",
+        "all answered InProgress; the retry after commit replayed; 1 effect".into(),
     )])
 }
 

@@ -172,7 +172,8 @@ impl Bank for MssqlBank {
                           under BIN2; NUL refused before SQL)",
         json_storage: "`nvarchar(max)` (kept verbatim; compared as values in Rust)",
         retried: "1205 deadlock victim, 1222 lock timeout, 3960/3961 snapshot conflicts \
-                      (SNAPSHOT: an invisible winner is retried as a transient conflict)",
+                      (SNAPSHOT: an invisible winner is retried as a transient conflict); a claim's \
+                      1222 after `SET LOCK_TIMEOUT` = the wait bound answers InProgress instead",
         concurrent_sessions: true,
         versions: "SQL Server 2019–2025: expected from documentation, not verified live here",
     };

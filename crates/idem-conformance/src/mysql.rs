@@ -141,7 +141,7 @@ impl Bank for MysqlBank {
         claim: "plain `INSERT` classified by error 1062, then a locking re-read (`LOCK IN SHARE MODE`, REPEATABLE READ); placeholder completed before `COMMIT`",
         key_columns: "`VARBINARY(255)` (byte equality; `utf8mb4_bin` would pad spaces)",
         json_storage: "`LONGTEXT` `utf8mb4_bin`, stored verbatim (compared as values in Rust)",
-        retried: "1213 deadlock, 1205 lock wait timeout (3572 NOWAIT on MySQL)",
+        retried: "1213 deadlock, 1205 lock wait timeout (3572 NOWAIT on MySQL); a claim's 1205 after `innodb_lock_wait_timeout` = the wait bound answers InProgress instead",
         concurrent_sessions: true,
         versions: "MariaDB 10.11 (tested live here); MySQL 8.4 written for, not tested live here",
     };
@@ -231,8 +231,8 @@ impl Bank for MysqlBank {
         let mut conn = self.backend.pool().get_conn().await.map_err(db_error)?;
         conn.exec_drop(
             "INSERT INTO idem_request_result \
-             (principal, operation, request_key, request, response, status, created_at) \
-             VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6))",
+             (principal, operation, request_key, request, response, status, created_at, expires_at) \
+             VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 1 DAY)",
             (
                 principal.as_bytes(),
                 operation.as_bytes(),

@@ -101,8 +101,8 @@ impl Bank for PgBank {
     const DOCUMENTED: Capabilities = Capabilities {
         claim: "`INSERT … ON CONFLICT DO NOTHING`, then a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT`",
         key_columns: "`text COLLATE \"C\"` (byte order and equality)",
-        json_storage: "`jsonb` (reorders keys; compared as values in Rust)",
-        retried: "40001 serialization failure, 40P01 deadlock",
+        json_storage: "`text`, kept verbatim (not `jsonb`, which rewrites numbers and refuses `\\u0000`)",
+        retried: "40001 serialization failure, 40P01 deadlock; a claim's 55P03 after `lock_timeout` = the wait bound answers InProgress instead",
         concurrent_sessions: true,
         versions: "PostgreSQL 15 (tested live here); written for 15–18",
     };
@@ -173,7 +173,7 @@ impl Bank for PgBank {
     ) -> Result<(), DbError> {
         sqlx::query(
             "INSERT INTO idem_request_result (principal, operation, request_key, request, response) \
-             VALUES ($1, $2, $3, $4::jsonb, $5::jsonb)",
+             VALUES ($1, $2, $3, $4, $5)",
         )
         .bind(principal)
         .bind(operation)

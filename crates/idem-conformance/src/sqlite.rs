@@ -91,7 +91,7 @@ impl Bank for SqliteBank {
         claim: "`BEGIN IMMEDIATE`, read the key, run the effect, write the record once (`INSERT … ON CONFLICT DO UPDATE` only replaces an expired record)",
         key_columns: "`TEXT` (BINARY collation: byte for byte), `STRICT` table",
         json_storage: "`TEXT` checked by `json_valid`",
-        retried: "`SQLITE_BUSY` after the 5 s busy timeout",
+        retried: "`SQLITE_BUSY` after the busy timeout (a claim waits at most the wait bound; the same key held by this process answers InProgress instead)",
         concurrent_sessions: true,
         versions: "SQLite 3 (bundled by rusqlite 0.39)",
     };

@@ -33,8 +33,9 @@ pub struct Claim<'a> {
     pub id: Identity<'a>,
     /// Canonical JSON of the request (or of the message's payload fingerprint).
     pub request: Option<&'a str>,
-    /// Records older than this (by the database clock) are expired: they no longer
-    /// replay, and a claim replaces them.
+    /// The record's window: the backend stores `expires_at` = the database clock at the
+    /// claim + this. Once it has passed the record is expired: it no longer replays, a
+    /// claim replaces it, and a completion that finds it expired is refused.
     pub retention: Duration,
     /// How long a claim may wait for a concurrent holder of the same identity (an
     /// unfinished transaction that claimed it first). When it elapses, the backend
@@ -130,8 +131,10 @@ pub enum Table {
 /// - `claim` makes concurrent claims of one identity wait for each other: exactly one
 ///   gets [`Claimed::Won`]; the others wait until it ends and then get
 ///   [`Claimed::Found`] (it committed) or win themselves (it rolled back);
-/// - an expired record (older than [`Claim::retention`]) is replaced by a claim and
-///   never returned by `lookup` or `claim`;
+/// - an expired record (its `expires_at`, set at its claim from [`Claim::retention`],
+///   has passed) is replaced by a claim and never returned by `lookup` or `claim`;
+/// - a claim waits for a concurrent holder of the same identity at most
+///   [`Claim::wait`], then answers [`Claimed::InFlight`];
 /// - no session other than the winner ever sees a record without its response.
 pub trait Backend: Send + Sync + 'static {
     /// The engine's open transaction, handed to effects so their SQL commits or rolls
@@ -168,8 +171,10 @@ pub trait Maintenance: Backend {
     /// Applies the embedded migrations not yet applied; returns the versions applied.
     fn migrate(&self) -> impl Future<Output = Result<Vec<u32>, DbError>> + Send;
 
-    /// Deletes at most `limit` records of `table` older than `older_than` (by the
-    /// database clock) in one statement; returns how many it deleted.
+    /// Deletes at most `limit` records of `table` that are expired (their own
+    /// `expires_at` has passed) **and** were claimed at least `older_than` ago (by the
+    /// database clock; zero is allowed), so one purge is safe for every operation
+    /// whatever its window. One statement; returns how many it deleted.
     fn purge_batch(
         &self,
         table: Table,

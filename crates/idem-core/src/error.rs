@@ -26,6 +26,11 @@ impl InvalidInput {
     pub fn what(&self) -> &'static str {
         self.what
     }
+
+    /// What is wrong with it.
+    pub fn problem(&self) -> &str {
+        &self.problem
+    }
 }
 
 /// What an engine error means for the protocol, decided from the engine's error code
@@ -125,6 +130,13 @@ impl DbError {
     #[must_use]
     pub fn with_source(mut self, source: impl StdError + Send + Sync + 'static) -> Self {
         self.source = Some(Box::new(source));
+        self
+    }
+
+    /// Keeps an already boxed error as the source.
+    #[must_use]
+    pub fn with_boxed_source(mut self, source: Box<dyn StdError + Send + Sync + 'static>) -> Self {
+        self.source = Some(source);
         self
     }
 
@@ -267,11 +279,18 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
     }
 }
 
-impl<E: StdError + 'static> StdError for Error<E> {
+/// `Error<E>` is a standard error for every effect error type, anyhow's and boxed
+/// errors included, so `?` converts it into `anyhow::Error` or `Box<dyn Error>`. Its
+/// `Display` for [`Error::Effect`] is the effect error's own message; `source()` then
+/// continues with the effect error's source when `E` is `Box<dyn Error + Send + Sync>`
+/// (other effect error types are reachable by matching [`Error::Effect`]).
+impl<E: fmt::Debug + fmt::Display + 'static> StdError for Error<E> {
     fn source(&self) -> Option<&(dyn StdError + 'static)> {
         match self {
             Self::InvalidInput(e) => Some(e),
-            Self::Effect(e) => Some(e),
+            Self::Effect(e) => (e as &dyn std::any::Any)
+                .downcast_ref::<Box<dyn StdError + Send + Sync>>()
+                .and_then(|b| b.source()),
             Self::RetriesExhausted { last, .. } | Self::Backend(last) => Some(last),
             Self::Decode(e) => Some(e),
             _ => None,

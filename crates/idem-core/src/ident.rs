@@ -174,6 +174,7 @@ impl Operation {
 
     /// Sets how long a retry counts as the same operation. Choose it from the longest
     /// promised retry, redelivery and recovery window; after it the key is accepted again.
+    /// Calls refuse a retention shorter than [`crate::MIN_RETENTION`] (1 s) before any SQL.
     #[must_use]
     pub fn with_retention(mut self, retention: Duration) -> Self {
         self.retention = retention;

@@ -14,6 +14,7 @@
 
 mod backend;
 pub mod blocking;
+mod effect;
 mod error;
 mod ident;
 mod migrate;
@@ -21,11 +22,15 @@ mod protocol;
 mod request;
 
 pub use backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
+pub use effect::{EffectError, ReportMarker, StdErrorMarker};
 pub use error::{DbError, Error, ErrorKind, InvalidInput};
 pub use ident::{
     DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber,
 };
 pub use migrate::Migration;
-pub use protocol::{BoxFuture, Consumed, DEFAULT_WAIT, Idem, Outcome, PurgeReport, RetryPolicy};
-pub use request::Request;
+pub use protocol::{
+    BoxFuture, Consumed, DEFAULT_MAX_JSON_BYTES, DEFAULT_WAIT, Idem, MIN_RETENTION, Outcome,
+    PurgeReport, RetryPolicy,
+};
+pub use request::{MAX_JSON_DEPTH, Request};
 pub use serde_json;

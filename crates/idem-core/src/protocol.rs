@@ -13,7 +13,8 @@ use serde_json::Value;
 use crate::backend::{
     Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table,
 };
-use crate::error::{DbError, Error, ErrorKind};
+use crate::effect::{EffectError, find_in_chain};
+use crate::error::{DbError, Error, ErrorKind, InvalidInput};
 use crate::ident::{DEFAULT_RETENTION, Key, MessageId, Scope, Subscriber};
 use crate::request::Request;
 
@@ -105,7 +106,9 @@ impl Serialize for Never {
 
 enum Done<R, J> {
     Executed(Result<R, J>),
-    Replayed(Status, Value),
+    /// The stored response's JSON text, decoded straight into the caller's type so that
+    /// numbers replay exactly (no detour through `serde_json::Value`).
+    Replayed(Status, String),
 }
 
 enum Step<E> {
@@ -137,6 +140,9 @@ pub struct PurgeReport {
     pub messages: u64,
     /// Delete statements run.
     pub batches: u32,
+    /// Batches that hit a busy database, a deadlock or a lock timeout and were run again
+    /// under the retry policy.
+    pub retried: u32,
 }
 
 /// The idempotency client: a backend plus the protocol.
@@ -155,7 +161,13 @@ pub struct Idem<B> {
     message_retention: Duration,
     fast_path: bool,
     wait: Duration,
+    max_request_bytes: usize,
+    max_response_bytes: usize,
 }
+
+/// The default limit on a request's (or message payload's) canonical JSON, and on a
+/// stored response: 1 MiB.
+pub const DEFAULT_MAX_JSON_BYTES: usize = 1 << 20;
 
 /// The default bound on how long a call waits for a concurrent call with the same key
 /// before it answers [`Error::InProgress`].
@@ -169,6 +181,8 @@ impl<B: fmt::Debug> fmt::Debug for Idem<B> {
             .field("message_retention", &self.message_retention)
             .field("fast_path", &self.fast_path)
             .field("wait", &self.wait)
+            .field("max_request_bytes", &self.max_request_bytes)
+            .field("max_response_bytes", &self.max_response_bytes)
             .finish()
     }
 }
@@ -191,7 +205,27 @@ impl<B: Backend> Idem<B> {
             message_retention: DEFAULT_RETENTION,
             fast_path: true,
             wait: DEFAULT_WAIT,
+            max_request_bytes: DEFAULT_MAX_JSON_BYTES,
+            max_response_bytes: DEFAULT_MAX_JSON_BYTES,
         }
+    }
+
+    /// Refuses requests (and message payloads) whose canonical JSON is larger than
+    /// `bytes` with [`Error::InvalidInput`], before any SQL (default
+    /// [`DEFAULT_MAX_JSON_BYTES`]).
+    #[must_use]
+    pub fn with_max_request_bytes(mut self, bytes: usize) -> Self {
+        self.max_request_bytes = bytes;
+        self
+    }
+
+    /// Refuses to store responses whose JSON is larger than `bytes`: the effect is rolled
+    /// back and the call ends with [`Error::InvalidInput`] (default
+    /// [`DEFAULT_MAX_JSON_BYTES`]).
+    #[must_use]
+    pub fn with_max_response_bytes(mut self, bytes: usize) -> Self {
+        self.max_response_bytes = bytes;
+        self
     }
 
     /// Bounds how long a call waits for a concurrent call with the same key (or message
@@ -235,7 +269,7 @@ impl<B: Backend> Idem<B> {
     /// transaction and commits its response with the record; a retry with an equal
     /// request gets the stored response; a different request is refused with
     /// [`Error::KeyReused`]. An effect error rolls everything back and stores nothing.
-    pub async fn execute<R, E, F>(
+    pub async fn execute<R, E, M, F>(
         &self,
         scope: &Scope,
         key: &Key,
@@ -244,11 +278,11 @@ impl<B: Backend> Idem<B> {
     ) -> Result<Outcome<R>, Error<E>>
     where
         R: Serialize + DeserializeOwned + Send + 'static,
-        E: StdError + Send + Sync + 'static,
+        E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
     {
         let done = self
-            .run_request::<R, Never, E, _>(scope, key, request, |tx| {
+            .run_request::<R, Never, E, M, _>(scope, key, request, |tx| {
                 let fut = effect(tx);
                 Box::pin(async move { fut.await.map(Ok) })
             })
@@ -256,10 +290,12 @@ impl<B: Backend> Idem<B> {
         match done {
             Done::Executed(Ok(r)) => Ok(Outcome::Executed(r)),
             Done::Executed(Err(never)) => match never {},
-            Done::Replayed(Status::Succeeded, v) => serde_json::from_value(v)
+            Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
                 .map(Outcome::Replayed)
                 .map_err(Error::Decode),
-            Done::Replayed(Status::Rejected, v) => Err(Error::StoredRejection(v)),
+            Done::Replayed(Status::Rejected, text) => Err(Error::StoredRejection(
+                serde_json::from_str(&text).map_err(Error::Decode)?,
+            )),
         }
     }
 
@@ -267,7 +303,7 @@ impl<B: Backend> Idem<B> {
     /// rejections: the effect returns `Ok(Err(rejection))` for a final answer that must
     /// replay (its own writes are rolled back, the rejection is stored), and `Err(e)` for
     /// a failure that stores nothing.
-    pub async fn execute_final<R, J, E, F>(
+    pub async fn execute_final<R, J, E, M, F>(
         &self,
         scope: &Scope,
         key: &Key,
@@ -277,15 +313,15 @@ impl<B: Backend> Idem<B> {
     where
         R: Serialize + DeserializeOwned + Send + 'static,
         J: Serialize + DeserializeOwned + Send + 'static,
-        E: StdError + Send + Sync + 'static,
+        E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<R, J>, E>> + Send,
     {
         match self.run_request(scope, key, request, effect).await? {
             Done::Executed(r) => Ok(Outcome::Executed(r)),
-            Done::Replayed(Status::Succeeded, v) => serde_json::from_value(v)
+            Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
                 .map(|r| Outcome::Replayed(Ok(r)))
                 .map_err(Error::Decode),
-            Done::Replayed(Status::Rejected, v) => serde_json::from_value(v)
+            Done::Replayed(Status::Rejected, text) => serde_json::from_str(&text)
                 .map(|j| Outcome::Replayed(Err(j)))
                 .map_err(Error::Decode),
         }
@@ -295,7 +331,7 @@ impl<B: Backend> Idem<B> {
     /// in the effect's transaction. Acknowledge to the broker only after this returns
     /// `Ok`. With `payload`, a known ID carrying a different payload is refused with
     /// [`Error::PayloadMismatch`] (compared only when both deliveries carried one).
-    pub async fn consume<R, E, F>(
+    pub async fn consume<R, E, M, F>(
         &self,
         subscriber: &Subscriber,
         message_id: &MessageId,
@@ -304,9 +340,13 @@ impl<B: Backend> Idem<B> {
     ) -> Result<Consumed<R>, Error<E>>
     where
         R: Send + 'static,
-        E: StdError + Send + Sync + 'static,
+        E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
     {
+        if let Some(payload) = payload {
+            payload.check("message payload", self.max_request_bytes)?;
+        }
+        check_retention("message retention", self.message_retention)?;
         let text = payload.map(Request::to_json);
         let claim = Claim {
             id: Identity::Message {
@@ -324,14 +364,12 @@ impl<B: Backend> Idem<B> {
                 let tx = match self.backend.claim(&claim).await? {
                     Claimed::Found(stored) => {
                         if let (Some(supplied), Some(stored)) = (payload, stored.request.as_deref())
+                            && !same_request(stored, supplied).map_err(Step::Fail)?
                         {
-                            let stored = parse_stored(stored).map_err(Step::Fail)?;
-                            if &stored != supplied {
-                                return Err(Step::Fail(Error::PayloadMismatch {
-                                    stored: stored.value().clone(),
-                                    supplied: supplied.value().clone(),
-                                }));
-                            }
+                            return Err(Step::Fail(Error::PayloadMismatch {
+                                stored: parse_stored(stored).map_err(Step::Fail)?,
+                                supplied: supplied.value().clone(),
+                            }));
                         }
                         return Ok(Consumed::Duplicate);
                     }
@@ -361,7 +399,7 @@ impl<B: Backend> Idem<B> {
         }
     }
 
-    async fn run_request<R, J, E, F>(
+    async fn run_request<R, J, E, M, F>(
         &self,
         scope: &Scope,
         key: &Key,
@@ -371,9 +409,11 @@ impl<B: Backend> Idem<B> {
     where
         R: Serialize + Send + 'static,
         J: Serialize + Send + 'static,
-        E: StdError + Send + Sync + 'static,
+        E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<R, J>, E>> + Send,
     {
+        request.check("request", self.max_request_bytes)?;
+        check_retention("operation retention", scope.operation.retention())?;
         let text = request.to_json();
         let claim = Claim {
             id: Identity::Request { scope, key },
@@ -407,7 +447,7 @@ impl<B: Backend> Idem<B> {
                 // A rejection the effect returned earlier is stored on its own, without
                 // running the effect again.
                 if let Some(j) = rejection.take() {
-                    let json = to_json(&j)?;
+                    let json = to_json(&j, self.max_response_bytes)?;
                     self.backend
                         .finish(
                             tx,
@@ -423,7 +463,7 @@ impl<B: Backend> Idem<B> {
                 let (tx, result) = self.run_effect(tx, &claim, &mut effect).await?;
                 match result {
                     Ok(r) => {
-                        let json = match to_json(&r) {
+                        let json = match to_json(&r, self.max_response_bytes) {
                             Ok(json) => json,
                             Err(e) => {
                                 self.backend.finish(tx, &claim, Finish::Rollback).await?;
@@ -461,14 +501,14 @@ impl<B: Backend> Idem<B> {
 
     /// Runs the effect in a won transaction. On failure the transaction is rolled back
     /// and the error classified: retryable engine errors start a new attempt.
-    async fn run_effect<T, E, F>(
+    async fn run_effect<T, E, M, F>(
         &self,
         mut tx: B::Tx,
         claim: &Claim<'_>,
         effect: &mut F,
     ) -> Result<(B::Tx, T), Step<E>>
     where
-        E: StdError + Send + Sync + 'static,
+        E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<T, E>> + Send,
     {
         match effect(&mut tx).await {
@@ -478,11 +518,11 @@ impl<B: Backend> Idem<B> {
                 // (a dead connection), the server rolls the transaction back anyway and
                 // the backend discards the connection.
                 let _ = self.backend.finish(tx, claim, Finish::Rollback).await;
-                match self.classify_chain(&e) {
+                match self.classify_chain(e.as_std_error()) {
                     Some(kind) if kind.is_retryable() => {
                         let msg = e.to_string();
                         Err(Step::Retry(
-                            DbError::new("effect", kind, msg).with_source(e),
+                            DbError::new("effect", kind, msg).with_boxed_source(e.into_std_error()),
                         ))
                     }
                     _ => Err(Step::Fail(Error::Effect(e))),
@@ -492,17 +532,10 @@ impl<B: Backend> Idem<B> {
     }
 
     fn classify_chain(&self, e: &(dyn StdError + 'static)) -> Option<ErrorKind> {
-        let mut cur = Some(e);
-        while let Some(err) = cur {
-            if let Some(db) = err.downcast_ref::<DbError>() {
-                return Some(db.kind());
-            }
-            if let Some(kind) = self.backend.classify(err) {
-                return Some(kind);
-            }
-            cur = err.source();
-        }
-        None
+        find_in_chain(e, |err| match err.downcast_ref::<DbError>() {
+            Some(db) => Some(db.kind()),
+            None => self.backend.classify(err),
+        })
     }
 
     /// Sleeps before the next attempt, or turns the step into the final error.
@@ -544,7 +577,18 @@ impl<B: Maintenance> Idem<B> {
         let mut report = PurgeReport::default();
         for table in [Table::Requests, Table::Messages] {
             loop {
-                let n = self.backend.purge_batch(table, older_than, batch).await?;
+                let mut attempt = 0;
+                let n = loop {
+                    attempt += 1;
+                    match self.backend.purge_batch(table, older_than, batch).await {
+                        Ok(n) => break n,
+                        Err(e) if e.kind().is_retryable() && attempt < self.retry.max_attempts => {
+                            report.retried += 1;
+                            tokio::time::sleep(self.retry.backoff(attempt)).await;
+                        }
+                        Err(e) => return Err(e),
+                    }
+                };
                 report.batches += 1;
                 match table {
                     Table::Requests => report.requests += n,
@@ -560,58 +604,79 @@ impl<B: Maintenance> Idem<B> {
 }
 
 /// Serializes the effect's response (or rejection) for storage. A value JSON cannot
-/// represent (a map with non-string keys, say) is the caller's input error.
-fn to_json<T: Serialize, E>(value: &T) -> Result<String, Step<E>> {
-    serde_json::to_string(value).map_err(|e| {
-        Step::Fail(Error::InvalidInput(crate::InvalidInput::new(
-            "response",
-            format!("cannot be stored as JSON: {e}"),
-        )))
-    })
+/// represent (a map with non-string keys, say), one larger than the configured limit, or
+/// one nested deeper than a retry could read back is the caller's input error.
+fn to_json<T: Serialize, E>(value: &T, max_bytes: usize) -> Result<String, Step<E>> {
+    let bad =
+        |problem: String| Step::Fail(Error::InvalidInput(InvalidInput::new("response", problem)));
+    let text =
+        serde_json::to_string(value).map_err(|e| bad(format!("cannot be stored as JSON: {e}")))?;
+    if text.len() > max_bytes {
+        return Err(bad(format!(
+            "is {} bytes of JSON, more than the limit of {max_bytes} (Idem::with_max_response_bytes)",
+            text.len()
+        )));
+    }
+    // What is stored must parse again on replay: serde_json refuses nesting deeper than
+    // 128 levels, so such a response is refused now rather than found unreadable later.
+    serde_json::from_str::<serde::de::IgnoredAny>(&text)
+        .map_err(|e| bad(format!("cannot be read back from its JSON: {e}")))?;
+    Ok(text)
 }
 
-fn parse_stored<E>(text: &str) -> Result<Request, Error<E>> {
+/// The shortest retention a call accepts.
+pub const MIN_RETENTION: Duration = Duration::from_secs(1);
+
+/// Refuses a retention window too short to be safe.
+fn check_retention(what: &'static str, retention: Duration) -> Result<(), InvalidInput> {
+    if retention < MIN_RETENTION {
+        return Err(InvalidInput::new(
+            what,
+            format!(
+                "{retention:?} is shorter than the minimum of {MIN_RETENTION:?}: a record must outlive \
+                 the retries of its own call, or a retry arriving moments later runs the effect again"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn corrupt<E>(what: String) -> Error<E> {
+    Error::Backend(DbError::new("idem", ErrorKind::CorruptRecord, what))
+}
+
+fn parse_stored<E>(text: &str) -> Result<Value, Error<E>> {
     serde_json::from_str::<Value>(text)
-        .map(Request::new)
-        .map_err(|e| {
-            Error::Backend(DbError::new(
-                "idem",
-                ErrorKind::CorruptRecord,
-                format!("stored JSON is unreadable: {e}"),
-            ))
-        })
+        .map_err(|e| corrupt(format!("stored JSON is unreadable: {e}")))
+}
+
+/// Whether a stored request (or payload) is the supplied one: the same canonical text.
+/// The stored text is canonicalized again first when it differs byte for byte, for
+/// records written by older versions or reformatted by an engine.
+fn same_request<E>(stored: &str, supplied: &Request) -> Result<bool, Error<E>> {
+    if stored == supplied.to_json() {
+        return Ok(true);
+    }
+    Ok(Request::new(parse_stored(stored)?).to_json() == supplied.to_json())
 }
 
 fn replay<R, J, E>(stored: &Stored, supplied: &Request) -> Result<Done<R, J>, Error<E>> {
     let Some(stored_request) = stored.request.as_deref() else {
-        return Err(Error::Backend(DbError::new(
-            "idem",
-            ErrorKind::CorruptRecord,
-            "stored record has no request",
-        )));
+        return Err(corrupt("stored record has no request".into()));
     };
-    let stored_request = parse_stored(stored_request)?;
-    if &stored_request != supplied {
+    if !same_request(stored_request, supplied)? {
         return Err(Error::KeyReused {
-            stored: stored_request.value().clone(),
+            stored: parse_stored(stored_request)?,
             supplied: supplied.value().clone(),
         });
     }
     let Some(response) = stored.response.as_deref() else {
-        return Err(Error::Backend(DbError::new(
-            "idem",
-            ErrorKind::CorruptRecord,
-            "a record without its response was visible outside its transaction",
-        )));
+        return Err(corrupt(
+            "a record without its response was visible outside its transaction".into(),
+        ));
     };
-    let response = serde_json::from_str(response).map_err(|e| {
-        Error::Backend(DbError::new(
-            "idem",
-            ErrorKind::CorruptRecord,
-            format!("stored response is unreadable: {e}"),
-        ))
-    })?;
-    Ok(Done::Replayed(stored.status, response))
+    parse_stored::<E>(response).map_err(|_| corrupt("stored response is unreadable".into()))?;
+    Ok(Done::Replayed(stored.status, response.to_owned()))
 }
 
 #[cfg(test)]

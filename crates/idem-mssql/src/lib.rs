@@ -22,8 +22,8 @@
 //!   statement sees the committed winner (locking reads wait for any transaction that
 //!   holds the row; with `READ_COMMITTED_SNAPSHOT ON` the statement's snapshot starts
 //!   after the INSERT's wait ended). A live row is returned as
-//!   [`Claimed::Found`] after a rollback; an expired row (older than the retention, by
-//!   `SYSUTCDATETIME()`) is taken over by an `UPDATE … WHERE created_at < cutoff`, whose
+//!   [`Claimed::Found`] after a rollback; an expired row (`expires_at` passed, by
+//!   `SYSUTCDATETIME()`) is taken over by an `UPDATE … WHERE expires_at <= now`, whose
 //!   predicate is re-checked on the row's current version once its lock is granted, so
 //!   two takers cannot both win (the second updates no row and claims again).
 //!
@@ -38,6 +38,39 @@
 //! other. Bare `MERGE` without `HOLDLOCK` is documented to race (two sessions both see
 //! "not matched"); `IGNORE_DUP_KEY` turns the duplicate into a warning and silently
 //! drops the row. Neither is used.
+//!
+//! # Bounded waits and `@@TRANCOUNT`
+//!
+//! The claim's first batch reads `@@TRANCOUNT` and the session's `@@LOCK_TIMEOUT`, then
+//! sets `SET LOCK_TIMEOUT <ms>` ([`Claim::wait`], whole milliseconds rounded up, at
+//! least 1), the isolation level and `BEGIN TRANSACTION`. A claim still waiting for a
+//! concurrent holder of the same identity when the bound elapses gets **1222**; the
+//! backend rolls back, sets the session's own lock timeout back and answers
+//! [`Claimed::InFlight`] (idem's `Error::InProgress`, not retried). A won claim sets it
+//! back before the effect runs, so the effect's own statements are not bounded by it.
+//!
+//! `@@TRANCOUNT` must be 0 before `BEGIN`: a pooled session left inside a transaction
+//! (by `interact`, `SET IMPLICIT_TRANSACTIONS ON`, or a procedure that leaves an extra
+//! `BEGIN`) would turn idem's `COMMIT` into a mere decrement. Such a session is rolled
+//! back and discarded, and the call fails (non-retried) before anything runs. The commit
+//! is `IF @@TRANCOUNT = 1 COMMIT`: any other count (0: the effect ended the transaction;
+//! 2+: it left a nested `BEGIN` open) commits nothing, rolls back, discards the session
+//! and fails instead of reporting `Executed`.
+//!
+//! # Retention in the row
+//!
+//! Each record's `expires_at` is set at the claim (`SYSUTCDATETIME()` + the operation's
+//! retention, the same reading as `created_at`); lookups and claims read it, and
+//! `purge_batch(table, older_than, limit)` deletes records that are expired **and**
+//! claimed at least `older_than` ago. The completion (and, for messages, a check before
+//! `COMMIT`) refuses a record that expired while the effect ran: rolled back, with a
+//! non-retried error saying the retention is shorter than the effect. Migration 0002
+//! adds the column (backfilled as `created_at + 24 hours`). Replay lookups run
+//! `SET LOCK_TIMEOUT <wait>; SET TRANSACTION ISOLATION LEVEL READ COMMITTED` in their own
+//! `sp_executesql` call (both revert when the call ends), so a session at READ
+//! UNCOMMITTED never replays an uncommitted winner, and a locking read that waits for
+//! one ends after the bound (1222: no record yet; the claim then answers). JSON stays
+//! `nvarchar(max)`, which keeps the text verbatim (UTF-16, no normalization).
 //!
 //! # Isolation levels
 //!
@@ -141,11 +174,18 @@ use pool::{Lease, Pool};
 pub(crate) const ENGINE: &str = "mssql";
 
 /// The migrations embedded from `migrations/mssql/`.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_idempotency_records.sql",
-    sql: include_str!("../../../migrations/mssql/0001_idempotency_records.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_idempotency_records.sql",
+        sql: include_str!("../../../migrations/mssql/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_expiry.sql",
+        sql: include_str!("../../../migrations/mssql/0002_expiry.sql"),
+    },
+];
 
 /// How often a claim re-tries inside one transaction when the conflicting record
 /// vanished (purged) or was replaced between the INSERT and the re-read.
@@ -275,6 +315,46 @@ impl<'a> Ids<'a> {
     }
 }
 
+/// The claim's first batch: `LOCK_TIMEOUT` bounded by the wait (whole milliseconds,
+/// rounded up, at least 1: 0 would mean "never wait"), then the isolation level and
+/// `BEGIN`, returning `@@TRANCOUNT` from before `BEGIN`.
+pub(crate) fn begin_batch(isolation: Isolation, wait: Duration) -> String {
+    format!(
+        "{}; {}{}; {}",
+        sql::CLAIM_STATE,
+        sql::SET_LOCK_TIMEOUT,
+        lock_timeout_ms(wait),
+        isolation.begin_sql()
+    )
+}
+
+/// A wait bound as `SET LOCK_TIMEOUT` takes it: whole milliseconds, rounded up, at
+/// least 1 (0 would mean "never wait"), at most `i32::MAX`.
+pub(crate) fn lock_timeout_ms(wait: Duration) -> u128 {
+    wait.as_nanos()
+        .div_ceil(1_000_000)
+        .clamp(1, i32::MAX as u128)
+}
+
+/// The error of a completion that found no unfinished, unexpired record.
+fn not_completed(expired: Option<i32>) -> DbError {
+    if expired == Some(1) {
+        DbError::new(
+            ENGINE,
+            ErrorKind::Other,
+            "the record expired before the effect finished; the retention is shorter than the \
+             effect (idem rolled back and stored nothing)",
+        )
+    } else {
+        DbError::new(
+            ENGINE,
+            ErrorKind::Other,
+            "the record is gone from idem's transaction: the transaction ended inside the effect \
+             (did it COMMIT, ROLLBACK, or hit an error with XACT_ABORT ON?); nothing was stored",
+        )
+    }
+}
+
 /// What one claim round found.
 enum Round {
     Won,
@@ -353,7 +433,15 @@ impl MssqlBackend {
                 lease
                     .execute(
                         sql::INSERT_REQUEST,
-                        &[principal, operation, key, &request.unwrap_or_default()],
+                        &[
+                            principal,
+                            operation,
+                            key,
+                            &request.unwrap_or_default(),
+                            &days,
+                            &secs,
+                            &micros,
+                        ],
                     )
                     .await
             }
@@ -362,7 +450,10 @@ impl MssqlBackend {
                 message_id,
             } => {
                 lease
-                    .execute(sql::INSERT_MESSAGE, &[subscriber, message_id, &request])
+                    .execute(
+                        sql::INSERT_MESSAGE,
+                        &[subscriber, message_id, &request, &days, &secs, &micros],
+                    )
                     .await
             }
         };
@@ -380,10 +471,7 @@ impl MssqlBackend {
                 key,
             } => {
                 let row = lease
-                    .query_row(
-                        sql::SELECT_REQUEST,
-                        &[principal, operation, key, &days, &secs, &micros],
-                    )
+                    .query_row(sql::SELECT_REQUEST, &[principal, operation, key])
                     .await
                     .map_err(reread)?;
                 let Some(row) = row else {
@@ -414,10 +502,7 @@ impl MssqlBackend {
                 message_id,
             } => {
                 let row = lease
-                    .query_row(
-                        sql::SELECT_MESSAGE,
-                        &[subscriber, message_id, &days, &secs, &micros],
-                    )
+                    .query_row(sql::SELECT_MESSAGE, &[subscriber, message_id])
                     .await
                     .map_err(reread)?;
                 let Some(row) = row else {
@@ -444,70 +529,129 @@ impl Backend for MssqlBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let mut lease = self.pool.acquire().await?;
-        let (days, secs, micros) = cutoff_parts(claim.retention);
-        let lookup = |e| db_error_in("looking up the record", e);
-        match Ids::of(claim) {
+        let bound = format!("{}{}; ", sql::SET_LOCK_TIMEOUT, lock_timeout_ms(claim.wait));
+        let row = match Ids::of(claim) {
             Ids::Request {
                 principal,
                 operation,
                 key,
             } => {
-                let row = lease
-                    .query_row(
-                        sql::LOOKUP_REQUEST,
-                        &[&principal, &operation, &key, &days, &secs, &micros],
-                    )
+                let statement = format!("{bound}{}", sql::LOOKUP_REQUEST);
+                lease
+                    .query_row(&statement, &[&principal, &operation, &key])
                     .await
-                    .map_err(lookup)?;
-                row.as_ref().map(stored_request).transpose()
+                    .map(|row| row.as_ref().map(stored_request).transpose())
             }
             Ids::Message {
                 subscriber,
                 message_id,
             } => {
-                let row = lease
-                    .query_row(
-                        sql::LOOKUP_MESSAGE,
-                        &[&subscriber, &message_id, &days, &secs, &micros],
-                    )
+                let statement = format!("{bound}{}", sql::LOOKUP_MESSAGE);
+                lease
+                    .query_row(&statement, &[&subscriber, &message_id])
                     .await
-                    .map_err(lookup)?;
-                row.as_ref().map(stored_message).transpose()
+                    .map(|row| row.as_ref().map(stored_message).transpose())
             }
+        };
+        match row {
+            Ok(stored) => stored,
+            // A locking read (no READ_COMMITTED_SNAPSHOT) still waiting for an
+            // uncommitted winner past the bound: nothing committed to replay yet; the
+            // claim answers instead, bounded too.
+            Err(e) if e.code() == Some(1222) => Ok(None),
+            Err(e) => Err(db_error_in("looking up the record", e)),
         }
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MssqlTx>, DbError> {
         let mut lease = self.pool.acquire().await?;
         let isolation = self.pool.options.isolation;
-        if let Err(e) = lease.begin(isolation.begin_sql()).await {
-            let e = db_error_in("beginning the claim's transaction", e);
-            return Err(self.rollback_after(lease, e).await);
-        }
-        let ids = Ids::of(claim);
-        for _ in 0..CLAIM_ROUNDS {
-            match Self::claim_round(&mut lease, &ids, claim).await {
-                Ok(Round::Won) => return Ok(Claimed::Won(MssqlTx { lease })),
-                Ok(Round::Found(stored)) => {
-                    lease
-                        .rollback()
-                        .await
-                        .map_err(|e| db_error_in("ending the claim's transaction", e))?;
-                    return Ok(Claimed::Found(stored));
+        let begin = begin_batch(isolation, claim.wait);
+        // The session's own lock timeout, given back after the claim (-1: no limit).
+        let session_lock_timeout = match lease.begin(&begin).await {
+            Ok(row) => {
+                let before = row
+                    .as_ref()
+                    .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+                if before != Some(0) {
+                    // Never reuse a session whose transaction state is not idem's.
+                    lease.discard();
+                    let e = DbError::new(
+                        ENGINE,
+                        ErrorKind::Other,
+                        format!(
+                            "the pooled session was already inside a transaction \
+                             (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
+                             SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
+                             discarded and nothing ran"
+                        ),
+                    );
+                    return Err(self.rollback_after(lease, e).await);
                 }
-                // Under SNAPSHOT the same transaction would never see the winner.
-                Ok(Round::Again) if isolation == Isolation::Snapshot => break,
-                Ok(Round::Again) => {}
-                Err(e) => return Err(self.rollback_after(lease, e).await),
+                row.as_ref()
+                    .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
+                    .unwrap_or(-1)
             }
-        }
-        let e = DbError::new(
+            Err(e) => {
+                let e = db_error_in("beginning the claim's transaction", e);
+                return Err(self.rollback_after(lease, e).await);
+            }
+        };
+        let ids = Ids::of(claim);
+        let mut outcome = Err(DbError::new(
             ENGINE,
             ErrorKind::Transient,
             "the conflicting record was not visible to this transaction (purged, replaced, \
              or committed after a SNAPSHOT transaction began); claiming again in a new transaction",
-        );
-        Err(self.rollback_after(lease, e).await)
+        ));
+        for _ in 0..CLAIM_ROUNDS {
+            match Self::claim_round(&mut lease, &ids, claim).await {
+                Ok(Round::Won) => {
+                    outcome = Ok(None);
+                    break;
+                }
+                Ok(Round::Found(stored)) => {
+                    outcome = Ok(Some(stored));
+                    break;
+                }
+                // Under SNAPSHOT the same transaction would never see the winner.
+                Ok(Round::Again) if isolation == Isolation::Snapshot => break,
+                Ok(Round::Again) => {}
+                Err(e) => {
+                    outcome = Err(e);
+                    break;
+                }
+            }
+        }
+        let restore = format!("{}{session_lock_timeout}", sql::SET_LOCK_TIMEOUT);
+        let found = match outcome {
+            Ok(None) => {
+                // Won: the effect runs with the session's default lock timeout.
+                return match lease.batch(&restore).await {
+                    Ok(_) => Ok(Claimed::Won(MssqlTx { lease })),
+                    Err(e) => {
+                        let e = db_error_in("resetting LOCK_TIMEOUT", e);
+                        Err(self.rollback_after(lease, e).await)
+                    }
+                };
+            }
+            Ok(Some(stored)) => Ok(stored),
+            Err(e) => Err(e),
+        };
+        let ended = lease.rollback().await;
+        let reset = lease.batch(&restore).await;
+        if ended.is_err() || reset.is_err() {
+            lease.discard();
+        }
+        match found {
+            Ok(stored) => {
+                ended.map_err(|e| db_error_in("ending the claim's transaction", e))?;
+                Ok(Claimed::Found(stored))
+            }
+            // A concurrent holder kept the identity past the wait bound.
+            Err(e) if e.code() == Some("1222") => Ok(Claimed::InFlight),
+            Err(e) => Err(e),
+        }
     }
 
     async fn finish(
@@ -541,16 +685,15 @@ impl Backend for MssqlBackend {
                 .await;
             match completed {
                 Ok(1) => {}
-                Ok(n) => {
-                    let e = DbError::new(
-                        ENGINE,
-                        ErrorKind::Other,
-                        format!(
-                            "completing the record updated {n} rows instead of 1: the transaction \
-                             ended inside the effect (did it COMMIT, ROLLBACK, or hit an error with \
-                             XACT_ABORT ON?); nothing was stored"
-                        ),
-                    );
+                Ok(_) => {
+                    let expired = tx
+                        .lease
+                        .query_row(sql::EXPIRED_REQUEST, &[&principal, &operation, &key])
+                        .await
+                        .ok()
+                        .flatten()
+                        .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+                    let e = not_completed(expired);
                     return Err(self.rollback_after(tx.lease, e).await);
                 }
                 Err(e) => {
@@ -559,8 +702,48 @@ impl Backend for MssqlBackend {
                 }
             }
         }
-        match tx.lease.commit().await {
-            Ok(()) => Ok(()),
+        if let Ids::Message {
+            subscriber,
+            message_id,
+        } = Ids::of(claim)
+        {
+            let row = tx
+                .lease
+                .query_row(sql::EXPIRED_MESSAGE, &[&subscriber, &message_id])
+                .await;
+            let expired = match row {
+                Ok(row) => row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten()),
+                Err(e) => {
+                    let e = db_error_in("checking the record before commit", e);
+                    return Err(self.rollback_after(tx.lease, e).await);
+                }
+            };
+            if expired != Some(0) {
+                let e = not_completed(expired);
+                return Err(self.rollback_after(tx.lease, e).await);
+            }
+        }
+        let committed = tx.lease.batch(sql::CHECKED_COMMIT).await;
+        match committed {
+            Ok(row) => {
+                let found = row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+                if found == Some(1) {
+                    tx.lease.mark_committed();
+                    return Ok(());
+                }
+                // Not idem's transaction alone: roll back every level, never reuse it.
+                tx.lease.discard();
+                let e = DbError::new(
+                    ENGINE,
+                    ErrorKind::Other,
+                    format!(
+                        "@@TRANCOUNT was {found:?} at commit instead of 1 (the effect ended the \
+                         transaction, or left a nested BEGIN open); nothing was committed, \
+                         the session was rolled back and discarded"
+                    ),
+                );
+                Err(self.rollback_after(tx.lease, e).await)
+            }
             Err(e) => {
                 let e = db_error_in("committing", e);
                 Err(self.rollback_after(tx.lease, e).await)
@@ -692,6 +875,37 @@ mod tests {
         );
         assert_eq!(cutoff_parts(Duration::MAX), (700_000, 0, 0));
         assert_eq!(cutoff_parts(Duration::from_nanos(999)), (0, 0, 0));
+    }
+
+    #[test]
+    fn claims_bound_their_lock_waits_and_check_trancount() {
+        let batch = begin_batch(Isolation::ReadCommitted, Duration::from_millis(500));
+        insta::assert_snapshot!(batch, @"SELECT @@TRANCOUNT AS trancount, @@LOCK_TIMEOUT AS lock_timeout; SET LOCK_TIMEOUT 500; SET XACT_ABORT OFF; SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN TRANSACTION");
+        // 0 would mean "do not wait at all"; partial milliseconds round up.
+        assert!(
+            begin_batch(Isolation::ReadCommitted, Duration::ZERO).contains("SET LOCK_TIMEOUT 1;")
+        );
+        assert!(
+            begin_batch(Isolation::Snapshot, Duration::from_micros(1500))
+                .contains("SET LOCK_TIMEOUT 2;")
+        );
+        assert!(
+            begin_batch(Isolation::Serializable, Duration::MAX)
+                .contains(&format!("SET LOCK_TIMEOUT {};", i32::MAX))
+        );
+        assert!(sql::CHECKED_COMMIT.contains("IF @trancount = 1 COMMIT TRANSACTION"));
+    }
+
+    #[test]
+    fn migration_0002_adds_expires_at() {
+        let statements = MIGRATIONS[1].statements();
+        assert_eq!(statements.len(), 6);
+        assert!(
+            statements[0]
+                .starts_with("IF COL_LENGTH(N'idem_request_result', N'expires_at') IS NULL")
+        );
+        assert!(statements[1].contains("DATEADD(hour, 24, created_at)"));
+        assert!(statements[4].contains("DATEADD(hour, 24, processed_at)"));
     }
 
     #[test]

@@ -303,10 +303,22 @@ impl Lease {
         self.settle(result)
     }
 
-    /// Opens a transaction with `begin` (one of the `BEGIN_*` batches).
-    pub(crate) async fn begin(&mut self, begin: &str) -> Result<(), TdsError> {
+    /// Opens a transaction with `begin` (one of the `BEGIN_*` batches); returns the
+    /// batch's first row (`@@TRANCOUNT` before `BEGIN`).
+    pub(crate) async fn begin(&mut self, begin: &str) -> Result<Option<Row>, TdsError> {
         self.in_tx = true;
-        self.batch(begin).await.map(drop)
+        self.batch(begin).await
+    }
+
+    /// Notes that a checked commit ended the transaction; the lease is reusable.
+    pub(crate) fn mark_committed(&mut self) {
+        self.in_tx = false;
+    }
+
+    /// Closes the connection when the lease is dropped instead of pooling it (its
+    /// session state cannot be trusted).
+    pub(crate) fn discard(&mut self) {
+        self.broken = true;
     }
 
     /// Commits; the lease is reusable afterwards.

@@ -21,6 +21,20 @@ macro_rules! cutoff {
         )
     };
 }
+/// The end of a retention window that starts now (days, seconds, microseconds).
+macro_rules! expiry {
+    ($days:literal, $secs:literal, $micros:literal) => {
+        concat!(
+            "DATEADD(microsecond, @P",
+            $micros,
+            ", DATEADD(second, @P",
+            $secs,
+            ", DATEADD(day, @P",
+            $days,
+            ", SYSUTCDATETIME())))"
+        )
+    };
+}
 macro_rules! request_pk {
     () => {
         "principal = @P1 AND operation = @P2 AND request_key = @P3"
@@ -56,82 +70,126 @@ pub(crate) const BEGIN_REPEATABLE_READ: &str = begin!("REPEATABLE READ");
 pub(crate) const BEGIN_SERIALIZABLE: &str = begin!("SERIALIZABLE");
 pub(crate) const BEGIN_SNAPSHOT: &str = begin!("SNAPSHOT");
 pub(crate) const COMMIT: &str = "COMMIT TRANSACTION";
+/// Commits only when exactly idem's transaction is open (`@@TRANCOUNT = 1`); returns
+/// the count it found. Any other count (0: the effect ended the transaction; 2+: a
+/// nested `BEGIN` left open) is refused: nothing is committed, and the backend rolls
+/// back and discards the connection.
+pub(crate) const CHECKED_COMMIT: &str = "DECLARE @trancount int = @@TRANCOUNT; \
+     IF @trancount = 1 COMMIT TRANSACTION; SELECT @trancount AS trancount";
+/// The start of a claim's first batch: `@@TRANCOUNT` as it was **before** `BEGIN` (it
+/// must be 0, else the pooled session was already inside a transaction, left by
+/// `interact`, `SET IMPLICIT_TRANSACTIONS ON` or a procedure, and idem's `COMMIT` would
+/// only decrement it: the backend then discards the connection), and the session's
+/// `@@LOCK_TIMEOUT`, restored after the claim.
+pub(crate) const CLAIM_STATE: &str =
+    "SELECT @@TRANCOUNT AS trancount, @@LOCK_TIMEOUT AS lock_timeout";
+/// Bounds lock waits (session level; the backend appends the milliseconds, an integer
+/// it computed or read from `@@LOCK_TIMEOUT`): the claim's bound, then the session's own
+/// value again before the effect runs and before the connection goes back to the pool.
+pub(crate) const SET_LOCK_TIMEOUT: &str = "SET LOCK_TIMEOUT ";
 /// Safe after errors that already ended the transaction (1205 rolls it back).
 pub(crate) const ROLLBACK: &str = "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION";
 /// The health check of a connection that sat idle in the pool.
 pub(crate) const PING: &str = "SELECT 1";
 
-/// The claim: a plain INSERT. A conflicting key waits for the transaction holding it;
-/// then it succeeds (that one rolled back) or fails with 2627 (it committed).
-pub(crate) const INSERT_REQUEST: &str = "INSERT INTO idem_request_result (principal, operation, request_key, request) \
-     VALUES (@P1, @P2, @P3, @P4)";
+/// The claim: a plain INSERT. A conflicting key waits for the transaction holding it
+/// (bounded by `LOCK_TIMEOUT`: 1222); then it succeeds (that one rolled back) or fails
+/// with 2627 (it committed). Params: principal, operation, key, request, retention
+/// (days, seconds, microseconds).
+pub(crate) const INSERT_REQUEST: &str = concat!(
+    "INSERT INTO idem_request_result (principal, operation, request_key, request, created_at, expires_at) \
+     VALUES (@P1, @P2, @P3, @P4, SYSUTCDATETIME(), ",
+    expiry!(5, 6, 7),
+    ")"
+);
 /// The re-read after 2627, as a new statement: under READ COMMITTED (locking or
 /// READ_COMMITTED_SNAPSHOT) it sees the row the INSERT collided with.
 pub(crate) const SELECT_REQUEST: &str = concat!(
-    "SELECT request, response, status, CASE WHEN created_at < ",
-    cutoff!(4, 5, 6),
-    " THEN 1 ELSE 0 END AS expired FROM idem_request_result WHERE ",
+    "SELECT request, response, status, CASE WHEN expires_at <= SYSUTCDATETIME() THEN 1 ELSE 0 END AS expired \
+     FROM idem_request_result WHERE ",
     request_pk!()
 );
 /// Takes over an expired record. The predicate is checked again on the row's current
 /// version once its lock is granted, so two takers cannot both win.
 pub(crate) const REPLACE_EXPIRED_REQUEST: &str = concat!(
     counted!(),
-    "UPDATE idem_request_result SET request = @P4, response = NULL, status = 0, created_at = SYSUTCDATETIME() WHERE ",
+    "UPDATE idem_request_result SET request = @P4, response = NULL, status = 0, created_at = SYSUTCDATETIME(), expires_at = ",
+    expiry!(5, 6, 7),
+    " WHERE ",
     request_pk!(),
-    " AND created_at < ",
-    cutoff!(5, 6, 7)
+    " AND expires_at <= SYSUTCDATETIME()"
 );
-/// Stores the response in the winner's transaction, just before COMMIT.
+/// Stores the response in the winner's transaction, just before COMMIT: one row, still
+/// unfinished, not expired while the effect ran.
 pub(crate) const COMPLETE_REQUEST: &str = concat!(
     counted!(),
     "UPDATE idem_request_result SET response = @P4, status = @P5 WHERE ",
+    request_pk!(),
+    " AND response IS NULL AND expires_at > SYSUTCDATETIME()"
+);
+/// Why a completion found no row: 1 when the record expired.
+pub(crate) const EXPIRED_REQUEST: &str = concat!(
+    "SELECT CASE WHEN expires_at <= SYSUTCDATETIME() THEN 1 ELSE 0 END FROM idem_request_result WHERE ",
     request_pk!()
 );
-/// The replay fast path (autocommit).
+/// The replay fast path (autocommit), pinned to READ COMMITTED whatever the session's
+/// level (READ UNCOMMITTED would replay an uncommitted winner). The backend puts
+/// `SET LOCK_TIMEOUT <wait>; ` in front (a locking read waits for an uncommitted
+/// winner). Inside `sp_executesql` the SETs last for this call only.
 pub(crate) const LOOKUP_REQUEST: &str = concat!(
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
     "SELECT request, response, status FROM idem_request_result WHERE ",
     request_pk!(),
-    " AND created_at >= ",
-    cutoff!(4, 5, 6)
+    " AND expires_at > SYSUTCDATETIME()"
 );
 
-pub(crate) const INSERT_MESSAGE: &str = "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint) \
-     VALUES (@P1, @P2, @P3)";
+/// Params: subscriber, message ID, fingerprint, retention (days, seconds, microseconds).
+pub(crate) const INSERT_MESSAGE: &str = concat!(
+    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) \
+     VALUES (@P1, @P2, @P3, SYSUTCDATETIME(), ",
+    expiry!(4, 5, 6),
+    ")"
+);
 pub(crate) const SELECT_MESSAGE: &str = concat!(
-    "SELECT fingerprint, CASE WHEN processed_at < ",
-    cutoff!(3, 4, 5),
-    " THEN 1 ELSE 0 END AS expired FROM idem_processed_message WHERE ",
+    "SELECT fingerprint, CASE WHEN expires_at <= SYSUTCDATETIME() THEN 1 ELSE 0 END AS expired \
+     FROM idem_processed_message WHERE ",
     message_pk!()
 );
 pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = concat!(
     counted!(),
-    "UPDATE idem_processed_message SET fingerprint = @P3, processed_at = SYSUTCDATETIME() WHERE ",
+    "UPDATE idem_processed_message SET fingerprint = @P3, processed_at = SYSUTCDATETIME(), expires_at = ",
+    expiry!(4, 5, 6),
+    " WHERE ",
     message_pk!(),
-    " AND processed_at < ",
-    cutoff!(4, 5, 6)
+    " AND expires_at <= SYSUTCDATETIME()"
+);
+/// Before a message's commit: 0 when the claimed record is still live, 1 when it expired
+/// while the effect ran, no row when it is gone.
+pub(crate) const EXPIRED_MESSAGE: &str = concat!(
+    "SELECT CASE WHEN expires_at <= SYSUTCDATETIME() THEN 1 ELSE 0 END FROM idem_processed_message WHERE ",
+    message_pk!()
 );
 pub(crate) const LOOKUP_MESSAGE: &str = concat!(
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
     "SELECT fingerprint FROM idem_processed_message WHERE ",
     message_pk!(),
-    " AND processed_at >= ",
-    cutoff!(3, 4, 5)
+    " AND expires_at > SYSUTCDATETIME()"
 );
 
-/// One bounded batch; rows still locked by a live transaction make it wait. The
-/// isolation level is reset here because a pooled session keeps the last claim's
-/// (a SNAPSHOT delete could fail with 3960); inside `sp_executesql` the SET lasts for
-/// this call.
+/// One bounded batch of records that are expired **and** were claimed at least the
+/// given age ago; rows still locked by a live transaction make it wait. The isolation
+/// level is reset here because a pooled session keeps the last claim's (a SNAPSHOT
+/// delete could fail with 3960); inside `sp_executesql` the SET lasts for this call.
 pub(crate) const PURGE_REQUESTS: &str = concat!(
     counted!(),
     "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
-    "DELETE TOP (@P4) FROM idem_request_result WHERE created_at < ",
+    "DELETE TOP (@P4) FROM idem_request_result WHERE expires_at <= SYSUTCDATETIME() AND created_at <= ",
     cutoff!(1, 2, 3)
 );
 pub(crate) const PURGE_MESSAGES: &str = concat!(
     counted!(),
     "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
-    "DELETE TOP (@P4) FROM idem_processed_message WHERE processed_at < ",
+    "DELETE TOP (@P4) FROM idem_processed_message WHERE expires_at <= SYSUTCDATETIME() AND processed_at <= ",
     cutoff!(1, 2, 3)
 );
 
@@ -157,16 +215,21 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("begin_serializable", BEGIN_SERIALIZABLE),
     ("begin_snapshot", BEGIN_SNAPSHOT),
     ("commit", COMMIT),
+    ("checked_commit", CHECKED_COMMIT),
+    ("set_lock_timeout", SET_LOCK_TIMEOUT),
+    ("claim_state", CLAIM_STATE),
     ("rollback", ROLLBACK),
     ("ping", PING),
     ("insert_request", INSERT_REQUEST),
     ("select_request", SELECT_REQUEST),
     ("replace_expired_request", REPLACE_EXPIRED_REQUEST),
     ("complete_request", COMPLETE_REQUEST),
+    ("expired_request", EXPIRED_REQUEST),
     ("lookup_request", LOOKUP_REQUEST),
     ("insert_message", INSERT_MESSAGE),
     ("select_message", SELECT_MESSAGE),
     ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
+    ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
@@ -214,15 +277,17 @@ mod tests {
     fn placeholders_are_dense_and_match_the_binds() {
         // (statement, parameters bound by lib.rs)
         let expected = [
-            ("insert_request", 4),
-            ("select_request", 6),
+            ("insert_request", 7),
+            ("select_request", 3),
             ("replace_expired_request", 7),
             ("complete_request", 5),
-            ("lookup_request", 6),
-            ("insert_message", 3),
-            ("select_message", 5),
+            ("expired_request", 3),
+            ("lookup_request", 3),
+            ("insert_message", 6),
+            ("select_message", 2),
             ("replace_expired_message", 6),
-            ("lookup_message", 5),
+            ("expired_message", 2),
+            ("lookup_message", 2),
             ("purge_requests", 4),
             ("purge_messages", 4),
             ("insert_migration", 2),

@@ -25,6 +25,9 @@ pub const ER_LOCK_NOWAIT: u16 = 3572;
 /// `ER_SP_DOES_NOT_EXIST`: a savepoint (or routine) does not exist; for idem, the
 /// transaction that claimed a message is no longer open.
 pub const ER_SP_DOES_NOT_EXIST: u16 = 1305;
+/// `ER_NET_PACKET_TOO_LARGE`: a packet (a request or response sent as a parameter) is
+/// larger than the server's `max_allowed_packet`. An input error: not retried.
+pub const ER_NET_PACKET_TOO_LARGE: u16 = 1153;
 /// `ER_CON_COUNT_ERROR`: `max_connections` reached.
 pub const ER_CON_COUNT_ERROR: u16 = 1040;
 /// `ER_ACCESS_DENIED_ERROR`: bad user or password.
@@ -61,6 +64,16 @@ pub fn kind_of(code: u16) -> ErrorKind {
     }
 }
 
+/// Whether `e` says a payload exceeded `max_allowed_packet` (the server's 1153, or the
+/// driver's own check).
+pub fn is_packet_too_large(e: &Error) -> bool {
+    match e {
+        Error::Server(s) => s.code == ER_NET_PACKET_TOO_LARGE,
+        Error::Driver(DriverError::PacketTooLarge) => true,
+        _ => false,
+    }
+}
+
 /// The server's error number, when the error came from the server.
 pub fn server_code(e: &Error) -> Option<u16> {
     match e {
@@ -82,8 +95,10 @@ pub fn classify(e: &Error) -> ErrorKind {
             | DriverError::PoolDisconnected
             | DriverError::PacketOutOfOrder
             | DriverError::UnexpectedPacket { .. }
-            | DriverError::PacketTooLarge
             | DriverError::BadCompressedPacketHeader => ErrorKind::Connection,
+            // An input error (the payload is above `max_allowed_packet`), never a lost
+            // connection to retry.
+            DriverError::PacketTooLarge => ErrorKind::Other,
             DriverError::UnknownAuthPlugin { .. }
             | DriverError::MysqlOldPasswordDisabled
             | DriverError::CleartextPluginDisabled
@@ -119,6 +134,20 @@ mod tests {
             message: "localized text idem never reads".into(),
             state: state.into(),
         })
+    }
+
+    #[test]
+    fn packets_above_max_allowed_packet_are_input_errors() {
+        for e in [
+            server(ER_NET_PACKET_TOO_LARGE, "08S01"),
+            Error::Driver(DriverError::PacketTooLarge),
+        ] {
+            assert!(is_packet_too_large(&e), "{e}");
+            let kind = classify(&e);
+            assert_eq!(kind, ErrorKind::Other, "{e}");
+            assert!(!kind.is_retryable(), "{e} must not be retried");
+        }
+        assert!(!is_packet_too_large(&server(1213, "40001")));
     }
 
     #[test]

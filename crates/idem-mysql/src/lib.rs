@@ -19,9 +19,42 @@
 //!   returns the latest committed version. It is a *shared* lock because the failed
 //!   `INSERT` already holds one on that row: several losers asking for an exclusive lock
 //!   (`FOR UPDATE`) at once would deadlock each other.
-//! - a record older than the operation's retention (by `UTC_TIMESTAMP(6)`, the database
-//!   clock) is taken over in place by an `UPDATE … WHERE created_at < cutoff` and never
-//!   returned.
+//! - a record whose `expires_at` has passed (by `UTC_TIMESTAMP(6)`, the database
+//!   clock) is taken over in place by an `UPDATE … WHERE expires_at <= UTC_TIMESTAMP(6)`
+//!   and never returned.
+//!
+//! # Bounded waits
+//!
+//! The claim's statements run with the session's `innodb_lock_wait_timeout` set to
+//! [`Claim::wait`] in whole seconds (rounded up, at least 1: the server's unit and
+//! minimum), saved before and restored right after the claim, so the effect and the
+//! pooled session keep their own value (`SET SESSION`, portable to MySQL 8.4, which has
+//! no `SET STATEMENT … FOR`). A claim still waiting for a concurrent holder of the same
+//! identity gets **1205**; the backend rolls back and answers [`Claimed::InFlight`]
+//! (idem's `Error::InProgress`, not retried). A 1205 inside the effect is still a
+//! retried lock timeout.
+//!
+//! # Retention in the row
+//!
+//! Each record's `expires_at` is set at the claim (`UTC_TIMESTAMP(6)` + the operation's
+//! retention, the same reading as `created_at`). Lookups and claims read it;
+//! `purge_batch(table, older_than, limit)` deletes records that are expired **and**
+//! claimed at least `older_than` ago, so one purge is safe for every operation. The
+//! completion refuses a record that expired while its effect ran (`AND expires_at >
+//! UTC_TIMESTAMP(6)`, and the same check for messages): idem rolls back and returns a
+//! non-retried error saying the retention is shorter than the effect. Migration 0002
+//! adds the column and backfills existing rows as `created_at + 24 hours`.
+//!
+//! # Fast-path reads and large payloads
+//!
+//! The replay lookup runs after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (which
+//! applies to the next transaction: the lookup's autocommit read), so a session whose
+//! default is READ UNCOMMITTED never sees, let alone replays, an uncommitted winner.
+//! A request or response that does not fit the server's `max_allowed_packet` (read once
+//! per backend; 1 KiB is kept for the rest of the statement) is refused before any SQL
+//! with a non-retried error naming the setting: the server would drop the connection,
+//! which looks like a lost connection. Error 1153 and the driver's own packet-size
+//! error are classified as input errors ([`ErrorKind::Other`]), never retried.
 //!
 //! Why not `INSERT IGNORE`: it turns *every* error it can (truncation, `NULL` into
 //! `NOT NULL`, foreign keys, `CHECK`) into a warning and zero affected rows, so "0 rows"
@@ -61,7 +94,7 @@
 //! named lock per database (`GET_LOCK`), so concurrent migrators apply each version
 //! once; DDL commits implicitly in MySQL, so every statement is `IF NOT EXISTS` and the
 //! version is recorded after its statements. `purge_batch` is one
-//! `DELETE … ORDER BY created_at LIMIT n`.
+//! `DELETE … ORDER BY expires_at LIMIT n`.
 //!
 //! # Effects
 //!
@@ -110,7 +143,10 @@ mod sql;
 
 use std::error::Error as StdError;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 use std::time::Duration;
+
+use tokio::sync::OnceCell;
 
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
@@ -127,11 +163,18 @@ use mysql_async::{
 pub use error_codes::db_error;
 
 /// The migrations embedded from `migrations/mysql/`.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_idempotency_records.sql",
-    sql: include_str!("../../../migrations/mysql/0001_idempotency_records.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_idempotency_records.sql",
+        sql: include_str!("../../../migrations/mysql/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_expiry.sql",
+        sql: include_str!("../../../migrations/mysql/0002_expiry.sql"),
+    },
+];
 
 /// The pool's size when the URL sets neither `pool_min` nor `pool_max`: room for 32
 /// concurrent transactions plus replay reads, and several pools under MariaDB's default
@@ -188,6 +231,8 @@ impl DerefMut for MysqlTx {
 #[derive(Debug, Clone)]
 pub struct MysqlBackend {
     pool: Pool,
+    /// The server's `max_allowed_packet`, read once.
+    max_packet: Arc<OnceCell<u64>>,
 }
 
 fn config(message: impl Into<String>) -> DbError {
@@ -260,7 +305,10 @@ impl MysqlBackend {
     /// Uses an existing pool. It needs room for as many connections as concurrent
     /// idem calls (each holds one for its transaction).
     pub fn from_pool(pool: Pool) -> Self {
-        Self { pool }
+        Self {
+            pool,
+            max_packet: Arc::default(),
+        }
     }
 
     /// The pool, for your own queries.
@@ -285,6 +333,7 @@ struct Target<'a> {
     select: &'static str,
     replace: &'static str,
     lookup: &'static str,
+    expired: &'static str,
     key: Vec<Value>,
     request: Option<&'a str>,
     is_request: bool,
@@ -298,6 +347,7 @@ impl<'a> Target<'a> {
                 select: sql::SELECT_REQUEST,
                 replace: sql::REPLACE_EXPIRED_REQUEST,
                 lookup: sql::LOOKUP_REQUEST,
+                expired: sql::EXPIRED_REQUEST,
                 key: vec![
                     scope.principal.as_str().as_bytes().into(),
                     scope.operation.as_str().as_bytes().into(),
@@ -314,6 +364,7 @@ impl<'a> Target<'a> {
                 select: sql::SELECT_MESSAGE,
                 replace: sql::REPLACE_EXPIRED_MESSAGE,
                 lookup: sql::LOOKUP_MESSAGE,
+                expired: sql::EXPIRED_MESSAGE,
                 key: vec![
                     subscriber.as_str().as_bytes().into(),
                     message_id.as_str().as_bytes().into(),
@@ -325,7 +376,7 @@ impl<'a> Target<'a> {
     }
 
     /// `first`, then the key, then `last`.
-    fn params(&self, first: Option<Value>, last: Option<Value>) -> Vec<Value> {
+    fn params(&self, first: Vec<Value>, last: Vec<Value>) -> Vec<Value> {
         first
             .into_iter()
             .chain(self.key.iter().cloned())
@@ -407,6 +458,16 @@ async fn abort(tx: Transaction<'static>, e: DbError) -> DbError {
     e
 }
 
+/// The claim's `innodb_lock_wait_timeout`: whole seconds, rounded up, at least 1 (the
+/// server's minimum), at most its maximum (1073741824).
+fn lock_wait_secs(wait: Duration) -> u64 {
+    wait.as_nanos()
+        .div_ceil(1_000_000_000)
+        .clamp(1, 1_073_741_824)
+        .try_into()
+        .unwrap_or(1_073_741_824)
+}
+
 /// Claims inside `tx`: `Ok(None)` when this transaction won, `Ok(Some(stored))` for a
 /// committed, live record.
 async fn claim_in(
@@ -418,7 +479,7 @@ async fn claim_in(
         match tx
             .exec_drop(
                 target.insert,
-                target.params(None, Some(target.request_value())),
+                target.params(vec![], vec![target.request_value(), micros.into()]),
             )
             .await
         {
@@ -427,7 +488,7 @@ async fn claim_in(
             Err(e) => return Err(db_error(e)),
         }
         let row: Option<Row> = tx
-            .exec_first(target.select, target.params(Some(micros.into()), None))
+            .exec_first(target.select, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         let Some(row) = row else {
@@ -440,7 +501,7 @@ async fn claim_in(
         }
         tx.exec_drop(
             target.replace,
-            target.params(Some(target.request_value()), Some(micros.into())),
+            target.params(vec![target.request_value(), micros.into()], vec![]),
         )
         .await
         .map_err(db_error)?;
@@ -456,15 +517,74 @@ async fn claim_in(
     ))
 }
 
+/// The error of a completion whose record expired while the effect ran.
+fn expired_during_effect() -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        "the record expired before the effect finished; the retention is shorter than the \
+         effect (idem rolled back and stored nothing)",
+    )
+}
+
+/// Room kept in a packet for everything but the payload (command, keys, lengths).
+const PACKET_OVERHEAD: u64 = 1024;
+
+impl MysqlBackend {
+    /// The server's `max_allowed_packet` (read on first use, then kept).
+    async fn max_packet(&self) -> Result<u64, DbError> {
+        self.max_packet
+            .get_or_try_init(|| async {
+                let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+                let max: Option<u64> = conn
+                    .query_first(sql::MAX_ALLOWED_PACKET)
+                    .await
+                    .map_err(db_error)?;
+                Ok(max.unwrap_or(u64::MAX))
+            })
+            .await
+            .copied()
+    }
+
+    /// Refuses, before any SQL, a payload the server would refuse: above
+    /// `max_allowed_packet` the server drops the connection (the client then sees a
+    /// broken or out-of-sync stream, which would look like a lost connection and be
+    /// retried). Not retried; the error names the setting.
+    async fn check_packet(&self, what: &str, payload: Option<&str>) -> Result<(), DbError> {
+        let Some(payload) = payload else {
+            return Ok(());
+        };
+        let len = u64::try_from(payload.len()).unwrap_or(u64::MAX);
+        let max = self.max_packet().await?;
+        if len.saturating_add(PACKET_OVERHEAD) <= max {
+            return Ok(());
+        }
+        Err(DbError::new(
+            ENGINE,
+            ErrorKind::Other,
+            format!(
+                "the {what} ({len} bytes of JSON) does not fit the server's max_allowed_packet \
+                 ({max} bytes, less {PACKET_OVERHEAD} bytes for the statement); raise \
+                 max_allowed_packet or send a smaller payload (not retried)"
+            ),
+        )
+        .with_code(error_codes::ER_NET_PACKET_TOO_LARGE.to_string()))
+    }
+}
+
 impl Backend for MysqlBackend {
     type Tx = MysqlTx;
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let target = Target::of(claim);
-        let micros = window_micros(claim.retention);
         let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
+        // uncommitted winner's placeholder.
+        conn.query_drop(sql::READ_COMMITTED)
+            .await
+            .map_err(db_error)?;
         let row: Option<Row> = conn
-            .exec_first(target.lookup, target.params(None, Some(micros.into())))
+            .exec_first(target.lookup, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         drop(conn);
@@ -473,6 +593,7 @@ impl Backend for MysqlBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MysqlTx>, DbError> {
+        self.check_packet("request", claim.request).await?;
         let target = Target::of(claim);
         let micros = window_micros(claim.retention);
         let mut tx = self
@@ -480,17 +601,32 @@ impl Backend for MysqlBackend {
             .start_transaction(TxOpts::default())
             .await
             .map_err(db_error)?;
-        match claim_in(&mut tx, &target, micros).await {
-            Ok(None) if target.is_request => Ok(Claimed::Won(MysqlTx { tx })),
-            Ok(None) => match tx.query_drop(sql::SAVEPOINT_CLAIMED).await {
+        let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
+        let claimed = match tx.query_drop(bound).await {
+            Ok(()) => claim_in(&mut tx, &target, micros).await,
+            Err(e) => Err(db_error(e)),
+        };
+        // The effect (and the pooled session) keep their own lock-wait timeout.
+        let restored = tx
+            .query_drop(sql::RESTORE_LOCK_WAIT)
+            .await
+            .map_err(db_error);
+        match (claimed, restored) {
+            (Ok(None), Ok(())) if target.is_request => Ok(Claimed::Won(MysqlTx { tx })),
+            (Ok(None), Ok(())) => match tx.query_drop(sql::SAVEPOINT_CLAIMED).await {
                 Ok(()) => Ok(Claimed::Won(MysqlTx { tx })),
                 Err(e) => Err(abort(tx, db_error(e)).await),
             },
-            Ok(Some(stored)) => {
+            (Ok(Some(stored)), Ok(())) => {
                 tx.rollback().await.map_err(db_error)?;
                 Ok(Claimed::Found(stored))
             }
-            Err(e) => Err(abort(tx, e).await),
+            (Err(e), _) if e.code() == Some("1205") => {
+                // A concurrent holder kept the identity past the wait bound.
+                let _ = tx.rollback().await;
+                Ok(Claimed::InFlight)
+            }
+            (Err(e), _) | (Ok(_), Err(e)) => Err(abort(tx, e).await),
         }
     }
 
@@ -500,11 +636,14 @@ impl Backend for MysqlBackend {
             Finish::Rollback => return tx.rollback().await.map_err(db_error),
             Finish::Commit { response, status } => (response, status),
         };
+        if let Err(e) = self.check_packet("response", response).await {
+            return Err(abort(tx, e).await);
+        }
         let target = Target::of(claim);
         let intact = if target.is_request {
-            // The placeholder must still be there, unfinished, in this open transaction.
-            let mut params: Vec<Value> = vec![response.into(), status.code().into()];
-            params.extend(target.params(None, None));
+            // The placeholder must still be there, unfinished and unexpired, in this open
+            // transaction.
+            let params = target.params(vec![response.into(), status.code().into()], vec![]);
             match tx.exec_drop(sql::COMPLETE_REQUEST, params).await {
                 Ok(()) => tx.affected_rows() == 1,
                 Err(e) => return Err(abort(tx, db_error(e)).await),
@@ -521,7 +660,27 @@ impl Backend for MysqlBackend {
                 Err(e) => return Err(abort(tx, db_error(e)).await),
             }
         };
-        if !intact || !in_transaction(&tx) {
+        if !in_transaction(&tx) {
+            return Err(abort(tx, lost_transaction()).await);
+        }
+        // Whether the record expired while the effect ran (then nothing may commit: a
+        // waiting loser would take the committed record over and run the effect again).
+        let expired: Option<i64> = if target.is_request && intact {
+            // The completion's `expires_at > UTC_TIMESTAMP(6)` already proved it live.
+            Some(0)
+        } else {
+            match tx
+                .exec_first(target.expired, target.params(vec![], vec![]))
+                .await
+            {
+                Ok(v) => v,
+                Err(e) => return Err(abort(tx, db_error(e)).await),
+            }
+        };
+        if expired == Some(1) {
+            return Err(abort(tx, expired_during_effect()).await);
+        }
+        if !intact || expired.is_none() {
             return Err(abort(tx, lost_transaction()).await);
         }
         tx.commit().await.map_err(db_error)
@@ -706,8 +865,10 @@ mod tests {
 
     #[test]
     fn migration_is_embedded() {
-        assert_eq!(MIGRATIONS.len(), 1);
+        assert_eq!(MIGRATIONS.len(), 2);
         assert_eq!(MIGRATIONS[0].version, 1);
+        assert_eq!(MIGRATIONS[1].version, 2);
+        assert!(MIGRATIONS[1].sql.contains("expires_at"));
         assert!(MIGRATIONS[0].sql.contains("idem_request_result"));
         assert!(MIGRATIONS[0].sql.contains("idem_processed_message"));
     }

@@ -27,6 +27,8 @@ pub const OBJECT_LOCK_TIMEOUT: i32 = 4021;
 pub const NAME_IN_USE: i32 = 955;
 /// ORA-01408: such column list already indexed (tolerated by migrations).
 pub const COLUMNS_ALREADY_INDEXED: i32 = 1408;
+/// ORA-01430: column being added already exists in table (a re-run migration).
+pub const COLUMN_ALREADY_EXISTS: i32 = 1430;
 /// ORA-01400: cannot insert NULL (an empty string or RAW is NULL in Oracle).
 pub const CANNOT_INSERT_NULL: i32 = 1400;
 /// ORA-01017: invalid username/password; logon denied.

@@ -11,9 +11,32 @@
 //! 25P02 there is nothing to recover from. After ORA-00001 a **separate `SELECT`**
 //! reads the winner's record: under READ COMMITTED (Oracle's default) every statement
 //! reads the data committed before *it* began, so the row whose commit raised
-//! ORA-00001 is visible. If the record found is expired (older than the operation's
-//! retention, by the database clock) a guarded `UPDATE … WHERE created_at < cutoff`
-//! takes it over; if it vanished (purged) the claim inserts again.
+//! ORA-00001 is visible. If the record found is expired (its `expires_at` passed, by
+//! the database clock) a guarded `UPDATE … WHERE expires_at <= now` takes it over; if
+//! it vanished (purged) the claim inserts again.
+//!
+//! # Bounded waits (chosen: the call timeout)
+//!
+//! The INSERT that waits for a concurrent holder of the same key is not a locking
+//! `SELECT`, so `WAIT n` / `NOWAIT` do not apply to it. The claim therefore runs under
+//! the connection's **call timeout** (`Connection::set_call_timeout`, ODPI-C's
+//! `dpiConn_setCallTimeout`) set to [`Claim::wait`] (whole milliseconds, at least 1)
+//! and restored to the connection's previous value right after the claim, so the effect
+//! is not bounded by it. A claim round trip still waiting when it elapses is cancelled
+//! (DPI-1067, ORA-03156); the backend rolls back and answers [`Claimed::InFlight`]
+//! (idem's `Error::InProgress`, not retried). If ODPI-C could not clean the connection
+//! up, the rollback fails and the pool closes the connection. Not verified live.
+//!
+//! # Retention in the row
+//!
+//! Each record's `expires_at` is set at the claim (`SYS_EXTRACT_UTC(SYSTIMESTAMP)` + the
+//! operation's retention, one reading per statement, like `created_at`); lookups and
+//! claims read it, and `purge_batch(table, older_than, limit)` deletes records that are
+//! expired **and** claimed at least `older_than` ago. The completion (and a check before
+//! a message's `COMMIT`) refuses a record that expired while the effect ran, with a
+//! non-retried error saying the retention is shorter than the effect. Migration 0002
+//! adds the column (backfilled as `created_at + 24 hours`). JSON stays CLOB text in
+//! AL32UTF8, kept verbatim.
 //!
 //! The placeholder exists only inside the winner's transaction: READ COMMITTED never
 //! shows uncommitted rows to other sessions, and the response is stored just before
@@ -93,11 +116,18 @@ pub use error_codes::db_error;
 pub use options::{ConnectOptions, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, MAX_CONNECTIONS_LIMIT};
 
 /// The migrations embedded from `migrations/oracle/`.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_idempotency_records.sql",
-    sql: include_str!("../../../migrations/oracle/0001_idempotency_records.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_idempotency_records.sql",
+        sql: include_str!("../../../migrations/oracle/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_expiry.sql",
+        sql: include_str!("../../../migrations/oracle/0002_expiry.sql"),
+    },
+];
 
 const ENGINE: &str = "oracle";
 
@@ -118,6 +148,7 @@ const UNICODE_CHARSETS: &[&str] = &["AL32UTF8", "UTF8"];
 const ALREADY_EXISTS: &[i32] = &[
     error_codes::NAME_IN_USE,
     error_codes::COLUMNS_ALREADY_INDEXED,
+    error_codes::COLUMN_ALREADY_EXISTS,
 ];
 
 /// What the pool needs to open connections, and Oracle's hooks for it: a connection is
@@ -315,6 +346,8 @@ struct ClaimOwned {
     id: IdOwned,
     request: Option<String>,
     retention: i64,
+    /// The claim's call timeout: [`Claim::wait`] in whole milliseconds, at least 1.
+    wait: Duration,
 }
 
 #[derive(Clone)]
@@ -350,6 +383,11 @@ impl ClaimOwned {
             id,
             request: c.request.map(str::to_owned),
             retention: interval_micros(c.retention),
+            wait: Duration::from_millis(
+                u64::try_from(c.wait.as_nanos().div_ceil(1_000_000))
+                    .unwrap_or(u64::MAX)
+                    .clamp(1, u64::from(u32::MAX)),
+            ),
         })
     }
 }
@@ -392,27 +430,19 @@ fn lookup_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Store
             principal,
             operation,
             key,
-        } => first_row(
-            conn,
-            sql::LOOKUP_REQUEST,
-            &[principal, operation, key, &claim.retention],
-        )
-        .map_err(db_error)?
-        .as_ref()
-        .map(request_row)
-        .transpose(),
+        } => first_row(conn, sql::LOOKUP_REQUEST, &[principal, operation, key])
+            .map_err(db_error)?
+            .as_ref()
+            .map(request_row)
+            .transpose(),
         IdOwned::Message {
             subscriber,
             message_id,
-        } => first_row(
-            conn,
-            sql::LOOKUP_MESSAGE,
-            &[subscriber, message_id, &claim.retention],
-        )
-        .map_err(db_error)?
-        .as_ref()
-        .map(message_row)
-        .transpose(),
+        } => first_row(conn, sql::LOOKUP_MESSAGE, &[subscriber, message_id])
+            .map_err(db_error)?
+            .as_ref()
+            .map(message_row)
+            .transpose(),
     }
 }
 
@@ -439,14 +469,25 @@ fn insert_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<bool, DbErro
             key,
         } => conn.execute(
             sql::INSERT_REQUEST,
-            &[principal, operation, key, &clob(&claim.request)],
+            &[
+                principal,
+                operation,
+                key,
+                &clob(&claim.request),
+                &claim.retention,
+            ],
         ),
         IdOwned::Message {
             subscriber,
             message_id,
         } => conn.execute(
             sql::INSERT_MESSAGE,
-            &[subscriber, message_id, &clob(&claim.request)],
+            &[
+                subscriber,
+                message_id,
+                &clob(&claim.request),
+                &claim.retention,
+            ],
         ),
     };
     match inserted {
@@ -465,22 +506,14 @@ fn reread_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Existing, Db
             operation,
             key,
         } => (
-            first_row(
-                conn,
-                sql::SELECT_REQUEST,
-                &[&claim.retention, principal, operation, key],
-            ),
+            first_row(conn, sql::SELECT_REQUEST, &[principal, operation, key]),
             request_row,
         ),
         IdOwned::Message {
             subscriber,
             message_id,
         } => (
-            first_row(
-                conn,
-                sql::SELECT_MESSAGE,
-                &[&claim.retention, subscriber, message_id],
-            ),
+            first_row(conn, sql::SELECT_MESSAGE, &[subscriber, message_id]),
             message_row,
         ),
     };
@@ -510,10 +543,10 @@ fn replace_expired_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<boo
             sql::REPLACE_EXPIRED_REQUEST,
             &[
                 &clob(&claim.request),
+                &claim.retention,
                 principal,
                 operation,
                 key,
-                &claim.retention,
             ],
         ),
         IdOwned::Message {
@@ -523,9 +556,9 @@ fn replace_expired_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<boo
             sql::REPLACE_EXPIRED_MESSAGE,
             &[
                 &clob(&claim.request),
+                &claim.retention,
                 subscriber,
                 message_id,
-                &claim.retention,
             ],
         ),
     };
@@ -583,6 +616,9 @@ fn complete_blocking(
             .and_then(|s| s.row_count())
             .map_err(db_error)?;
         if rows != 1 {
+            if expired_blocking(conn, sql::EXPIRED_REQUEST, &[principal, operation, key])? {
+                return Err(expired_during_effect());
+            }
             // The claim's own row is locked by this transaction; if it is not there,
             // start over in a fresh transaction (the effect is rolled back too).
             return Err(DbError::new(
@@ -592,7 +628,65 @@ fn complete_blocking(
             ));
         }
     }
+    if let IdOwned::Message {
+        subscriber,
+        message_id,
+    } = &claim.id
+        && expired_blocking(conn, sql::EXPIRED_MESSAGE, &[subscriber, message_id])?
+    {
+        return Err(expired_during_effect());
+    }
     conn.commit().map_err(db_error)
+}
+
+/// Whether the claimed record's window ended while the effect ran.
+fn expired_blocking(
+    conn: &Connection,
+    statement: &str,
+    params: &[&dyn oracle::sql_type::ToSql],
+) -> Result<bool, DbError> {
+    let row = first_row(conn, statement, params).map_err(db_error)?;
+    let expired: Option<i64> = row.map(|r| r.get(0)).transpose().map_err(db_error)?;
+    Ok(expired == Some(1))
+}
+
+/// The error of a completion whose record expired while the effect ran.
+fn expired_during_effect() -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        "the record expired before the effect finished; the retention is shorter than the \
+         effect (idem rolled back and stored nothing)",
+    )
+}
+
+/// What a claim on the blocking pool ended with.
+enum Claiming {
+    Won,
+    Found(Stored),
+    InFlight,
+}
+
+/// The claim under a call timeout of [`ClaimOwned::wait`]: an INSERT still waiting for a
+/// concurrent holder of the identity when it elapses is cancelled (DPI-1067); the
+/// transaction is rolled back and the claim answers in-flight. The connection's own call
+/// timeout is restored afterwards (the effect is not bounded by it).
+fn claim_bounded(conn: &Connection, claim: &ClaimOwned) -> Result<Claiming, DbError> {
+    let previous = conn.call_timeout().map_err(db_error)?;
+    conn.set_call_timeout(Some(claim.wait)).map_err(db_error)?;
+    let claimed = claim_blocking(conn, claim);
+    let restored = conn.set_call_timeout(previous).map_err(db_error);
+    match (claimed, restored) {
+        (Ok(None), Ok(())) => Ok(Claiming::Won),
+        (Ok(Some(stored)), Ok(())) => Ok(Claiming::Found(stored)),
+        (Err(e), _) if matches!(e.code(), Some("DPI-1067" | "ORA-03156")) => {
+            // A failed rollback leaves the transaction open: the lease then closes the
+            // connection, which rolls back on the server.
+            let _ = conn.rollback();
+            Ok(Claiming::InFlight)
+        }
+        (Err(e), _) | (Ok(_), Err(e)) => Err(rollback_after(conn, e)),
+    }
 }
 
 /// Rolls back after a failure, keeping the failure (a failed rollback leaves the
@@ -614,12 +708,11 @@ impl Backend for OracleBackend {
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<OracleTx>, DbError> {
         let claim = ClaimOwned::new(claim)?;
         let mut lease = self.lease().await?;
-        let found = lease
-            .run(move |c| claim_blocking(c, &claim).map_err(|e| rollback_after(c, e)))
-            .await?;
-        Ok(match found {
-            Some(stored) => Claimed::Found(stored),
-            None => Claimed::Won(OracleTx { lease }),
+        let claimed = lease.run(move |c| claim_bounded(c, &claim)).await?;
+        Ok(match claimed {
+            Claiming::Found(stored) => Claimed::Found(stored),
+            Claiming::InFlight => Claimed::InFlight,
+            Claiming::Won => Claimed::Won(OracleTx { lease }),
         })
     }
 

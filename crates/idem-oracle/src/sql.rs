@@ -23,6 +23,12 @@ macro_rules! cutoff {
         concat!(now!(), " - NUMTODSINTERVAL(:", $n, " / 1000000, 'SECOND')")
     };
 }
+/// `now + :n microseconds`: the end of a retention window that starts now.
+macro_rules! expiry {
+    ($n:literal) => {
+        concat!(now!(), " + NUMTODSINTERVAL(:", $n, " / 1000000, 'SECOND')")
+    };
+}
 macro_rules! request_pk {
     ($a:literal, $b:literal, $c:literal) => {
         concat!(
@@ -42,82 +48,116 @@ macro_rules! message_pk {
 }
 
 /// The claim: a plain INSERT of the placeholder. A conflicting uncommitted row makes
-/// it wait for that transaction; ORA-00001 once it commits, success if it rolls back.
+/// it wait for that transaction (bounded by the connection's call timeout); ORA-00001
+/// once it commits, success if it rolls back. Binds: principal, operation, key, request,
+/// retention (µs).
 pub(crate) const INSERT_REQUEST: &str = concat!(
-    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) ",
+    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) ",
     "VALUES (:1, :2, :3, :4, NULL, 0, ",
     now!(),
+    ", ",
+    expiry!(5),
     ")"
 );
 /// The re-read after ORA-00001: under READ COMMITTED each statement reads the data
 /// committed before it started, so it sees the row whose commit raised ORA-00001.
 pub(crate) const SELECT_REQUEST: &str = concat!(
-    "SELECT request, response, status, CASE WHEN created_at < ",
-    cutoff!(1),
+    "SELECT request, response, status, CASE WHEN expires_at <= ",
+    now!(),
     " THEN 1 ELSE 0 END AS expired FROM idem_request_result WHERE ",
-    request_pk!(2, 3, 4)
+    request_pk!(1, 2, 3)
 );
-/// Takes over an expired record. The age test is repeated: if another session changed
-/// the row meanwhile, Oracle restarts the UPDATE on the new version and it matches
-/// nothing.
+/// Takes over an expired record. The expiry test is repeated: if another session
+/// changed the row meanwhile, Oracle restarts the UPDATE on the new version and it
+/// matches nothing. Binds: request, retention (µs), principal, operation, key.
 pub(crate) const REPLACE_EXPIRED_REQUEST: &str = concat!(
     "UPDATE idem_request_result SET request = :1, response = NULL, status = 0, created_at = ",
     now!(),
+    ", expires_at = ",
+    expiry!(2),
     " WHERE ",
-    request_pk!(2, 3, 4),
-    " AND created_at < ",
-    cutoff!(5)
+    request_pk!(3, 4, 5),
+    " AND expires_at <= ",
+    now!()
 );
-/// Stores the response just before COMMIT.
+/// Stores the response just before COMMIT; no row when the record expired while the
+/// effect ran.
 pub(crate) const COMPLETE_REQUEST: &str = concat!(
     "UPDATE idem_request_result SET response = :1, status = :2 WHERE ",
-    request_pk!(3, 4, 5)
+    request_pk!(3, 4, 5),
+    " AND response IS NULL AND expires_at > ",
+    now!()
+);
+/// Why a completion changed no row: 1 when the record expired.
+pub(crate) const EXPIRED_REQUEST: &str = concat!(
+    "SELECT CASE WHEN expires_at <= ",
+    now!(),
+    " THEN 1 ELSE 0 END FROM idem_request_result WHERE ",
+    request_pk!(1, 2, 3)
 );
 /// The read-only replay fast path: live records only.
 pub(crate) const LOOKUP_REQUEST: &str = concat!(
     "SELECT request, response, status FROM idem_request_result WHERE ",
     request_pk!(1, 2, 3),
-    " AND created_at >= ",
-    cutoff!(4)
+    " AND expires_at > ",
+    now!()
 );
 
+/// Binds: subscriber, message ID, fingerprint, retention (µs).
 pub(crate) const INSERT_MESSAGE: &str = concat!(
-    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at) ",
+    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) ",
     "VALUES (:1, :2, :3, ",
     now!(),
+    ", ",
+    expiry!(4),
     ")"
 );
 pub(crate) const SELECT_MESSAGE: &str = concat!(
-    "SELECT fingerprint, CASE WHEN processed_at < ",
-    cutoff!(1),
+    "SELECT fingerprint, CASE WHEN expires_at <= ",
+    now!(),
     " THEN 1 ELSE 0 END AS expired FROM idem_processed_message WHERE ",
-    message_pk!(2, 3)
+    message_pk!(1, 2)
 );
+/// Binds: fingerprint, retention (µs), subscriber, message ID.
 pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = concat!(
     "UPDATE idem_processed_message SET fingerprint = :1, processed_at = ",
     now!(),
+    ", expires_at = ",
+    expiry!(2),
     " WHERE ",
-    message_pk!(2, 3),
-    " AND processed_at < ",
-    cutoff!(4)
+    message_pk!(3, 4),
+    " AND expires_at <= ",
+    now!()
+);
+/// Before a message's commit: 1 when the claimed record expired while the effect ran.
+pub(crate) const EXPIRED_MESSAGE: &str = concat!(
+    "SELECT CASE WHEN expires_at <= ",
+    now!(),
+    " THEN 1 ELSE 0 END FROM idem_processed_message WHERE ",
+    message_pk!(1, 2)
 );
 pub(crate) const LOOKUP_MESSAGE: &str = concat!(
     "SELECT fingerprint FROM idem_processed_message WHERE ",
     message_pk!(1, 2),
-    " AND processed_at >= ",
-    cutoff!(3)
+    " AND expires_at > ",
+    now!()
 );
 
-/// One bounded purge batch: `ROWNUM` stops the DELETE after `:2` rows. The age test is
-/// on the DELETE itself, so a row another session is replacing (locked) is re-checked
-/// after that session commits and kept if it is live again.
+/// One bounded purge batch of records that are expired **and** were claimed at least
+/// `:1` µs ago: `ROWNUM` stops the DELETE after `:2` rows. The expiry test is on the
+/// DELETE itself, so a row another session is replacing (locked) is re-checked after
+/// that session commits and kept if it is live again.
 pub(crate) const PURGE_REQUESTS: &str = concat!(
-    "DELETE FROM idem_request_result WHERE created_at < ",
+    "DELETE FROM idem_request_result WHERE expires_at <= ",
+    now!(),
+    " AND created_at <= ",
     cutoff!(1),
     " AND ROWNUM <= :2"
 );
 pub(crate) const PURGE_MESSAGES: &str = concat!(
-    "DELETE FROM idem_processed_message WHERE processed_at < ",
+    "DELETE FROM idem_processed_message WHERE expires_at <= ",
+    now!(),
+    " AND processed_at <= ",
     cutoff!(1),
     " AND ROWNUM <= :2"
 );
@@ -146,10 +186,12 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("select_request", SELECT_REQUEST),
     ("replace_expired_request", REPLACE_EXPIRED_REQUEST),
     ("complete_request", COMPLETE_REQUEST),
+    ("expired_request", EXPIRED_REQUEST),
     ("lookup_request", LOOKUP_REQUEST),
     ("insert_message", INSERT_MESSAGE),
     ("select_message", SELECT_MESSAGE),
     ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
+    ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),

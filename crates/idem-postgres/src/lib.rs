@@ -12,6 +12,33 @@
 //! jittered). CockroachDB and YugabyteDB speak this protocol and are serializable by
 //! default, so they take that path (not tested here).
 //!
+//! # Bounded waits
+//!
+//! The claim runs with `SET LOCAL lock_timeout` set to [`Claim::wait`] (whole
+//! milliseconds, rounded up, at least 1 ms; bound as a parameter through
+//! `set_config('lock_timeout', $1, true)`). A claim still waiting for a concurrent holder
+//! of the same identity when it elapses gets SQLSTATE 55P03; the backend rolls back and
+//! answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not retried). The same
+//! statement reads the session's own value first; once the claim is won it is set back
+//! (transaction-locally), so the bound never applies to the effect's own statements,
+//! whatever set the session's value (configuration, role, startup options, or a `SET`
+//! on the pooled connection).
+//!
+//! # Retention in the row, exact JSON
+//!
+//! Every record carries `expires_at`, set by the database clock at the claim
+//! (`clock_timestamp()` + the operation's retention, the same reading as `created_at`).
+//! Lookups and claims treat a record as live while `expires_at > clock_timestamp()`;
+//! `purge_batch(table, older_than, limit)` deletes records that are expired **and**
+//! were claimed at least `older_than` ago, so one purge is safe for every operation
+//! whatever its window. The completion `UPDATE` must change exactly one row that is
+//! still unfinished and unexpired: a record that expired while its effect ran (the
+//! retention is shorter than the effect), or an effect that ran its own `COMMIT` or
+//! `ROLLBACK`, is rolled back with a non-retried error instead of a success. Migration
+//! 0002 turns the JSON columns into `text` (kept byte for byte: `jsonb` would rewrite
+//! `1e16`, reorder keys and refuse `"\u0000"`), adds `expires_at` and backfills it
+//! as `created_at + 24 hours`.
+//!
 //! Effects receive a [`PgTx`] (`sqlx::Transaction`) and run their SQL on it:
 //! `sqlx::query("UPDATE …").execute(&mut **tx)`.
 
@@ -37,11 +64,18 @@ pub use error_codes::db_error;
 pub type PgTx = sqlx::Transaction<'static, Postgres>;
 
 /// The migrations embedded from `migrations/postgres/`.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_idempotency_records.sql",
-    sql: include_str!("../../../migrations/postgres/0001_idempotency_records.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_idempotency_records.sql",
+        sql: include_str!("../../../migrations/postgres/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_exact_json_and_expiry.sql",
+        sql: include_str!("../../../migrations/postgres/0002_exact_json_and_expiry.sql"),
+    },
+];
 
 /// How often a claim re-tries inside one transaction when the conflicting record
 /// vanished (purged) or was replaced under it.
@@ -108,18 +142,163 @@ fn stored_request(row: &sqlx::postgres::PgRow) -> Result<Stored, DbError> {
     })
 }
 
+/// The claim's `lock_timeout`, as PostgreSQL reads it: whole milliseconds, rounded up,
+/// at least 1 (0 would mean "wait forever"), at most `i32::MAX`.
+fn lock_timeout(wait: Duration) -> String {
+    let ms = wait
+        .as_nanos()
+        .div_ceil(1_000_000)
+        .clamp(1, i32::MAX as u128);
+    format!("{ms}ms")
+}
+
+/// Claims inside `tx`: `Ok(None)` when this transaction won, `Ok(Some(stored))` for a
+/// committed, live record.
+async fn claim_in(tx: &mut PgConnection, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
+    let retention = secs(claim.retention);
+    for _ in 0..CLAIM_ROUNDS {
+        let (inserted, found) = match claim.id {
+            Identity::Request { scope, key } => {
+                let (p, o, k) = (
+                    scope.principal.as_str(),
+                    scope.operation.as_str(),
+                    key.as_str(),
+                );
+                let inserted = sqlx::query(sql::INSERT_REQUEST)
+                    .bind(p)
+                    .bind(o)
+                    .bind(k)
+                    .bind(claim.request)
+                    .bind(retention)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?
+                    .rows_affected();
+                if inserted == 1 {
+                    return Ok(None);
+                }
+                let row = sqlx::query(sql::SELECT_REQUEST)
+                    .bind(p)
+                    .bind(o)
+                    .bind(k)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
+                let found = match row {
+                    None => None,
+                    Some(row) => Some((
+                        row.try_get::<bool, _>(3).map_err(db_error)?,
+                        stored_request(&row)?,
+                    )),
+                };
+                if let Some((true, _)) = found {
+                    let replaced = sqlx::query(sql::REPLACE_EXPIRED_REQUEST)
+                        .bind(p)
+                        .bind(o)
+                        .bind(k)
+                        .bind(claim.request)
+                        .bind(retention)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db_error)?
+                        .rows_affected();
+                    (replaced, None)
+                } else {
+                    (0, found.map(|(_, s)| s))
+                }
+            }
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => {
+                let (s, m) = (subscriber.as_str(), message_id.as_str());
+                let inserted = sqlx::query(sql::INSERT_MESSAGE)
+                    .bind(s)
+                    .bind(m)
+                    .bind(claim.request)
+                    .bind(retention)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?
+                    .rows_affected();
+                if inserted == 1 {
+                    return Ok(None);
+                }
+                let row = sqlx::query(sql::SELECT_MESSAGE)
+                    .bind(s)
+                    .bind(m)
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
+                match row {
+                    Some(row) if row.try_get::<bool, _>(1).map_err(db_error)? => {
+                        let replaced = sqlx::query(sql::REPLACE_EXPIRED_MESSAGE)
+                            .bind(s)
+                            .bind(m)
+                            .bind(claim.request)
+                            .bind(retention)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err(db_error)?
+                            .rows_affected();
+                        (replaced, None)
+                    }
+                    Some(row) => (
+                        0,
+                        Some(Stored {
+                            request: row.try_get(0).map_err(db_error)?,
+                            response: None,
+                            status: Status::Succeeded,
+                        }),
+                    ),
+                    None => (0, None),
+                }
+            }
+        };
+        if inserted == 1 {
+            return Ok(None);
+        }
+        if let Some(stored) = found {
+            return Ok(Some(stored));
+        }
+        // The conflicting record vanished or was replaced between statements: claim again.
+    }
+    Err(DbError::new(
+        "postgres",
+        ErrorKind::Transient,
+        "the conflicting record kept changing during the claim",
+    ))
+}
+
+/// The error of a completion that found no unfinished, unexpired record.
+fn not_completed(expired: Option<bool>) -> DbError {
+    if expired == Some(true) {
+        DbError::new(
+            "postgres",
+            ErrorKind::Other,
+            "the record expired before the effect finished; the retention is shorter than the \
+             effect (idem rolled back and stored nothing)",
+        )
+    } else {
+        DbError::new(
+            "postgres",
+            ErrorKind::Other,
+            "the idem transaction ended inside the effect (COMMIT or ROLLBACK run by the \
+             effect): the record is gone; idem stored nothing",
+        )
+    }
+}
+
 impl Backend for PgBackend {
     type Tx = PgTx;
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
-        let retention = secs(claim.retention);
         match claim.id {
             Identity::Request { scope, key } => {
                 let row = sqlx::query(sql::LOOKUP_REQUEST)
                     .bind(scope.principal.as_str())
                     .bind(scope.operation.as_str())
                     .bind(key.as_str())
-                    .bind(retention)
                     .fetch_optional(&self.pool)
                     .await
                     .map_err(db_error)?;
@@ -132,7 +311,6 @@ impl Backend for PgBackend {
                 let row = sqlx::query(sql::LOOKUP_MESSAGE)
                     .bind(subscriber.as_str())
                     .bind(message_id.as_str())
-                    .bind(retention)
                     .fetch_optional(&self.pool)
                     .await
                     .map_err(db_error)?;
@@ -150,121 +328,40 @@ impl Backend for PgBackend {
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<PgTx>, DbError> {
         let mut tx = self.pool.begin().await.map_err(db_error)?;
-        let retention = secs(claim.retention);
-        for _ in 0..CLAIM_ROUNDS {
-            let (inserted, found) = match claim.id {
-                Identity::Request { scope, key } => {
-                    let (p, o, k) = (
-                        scope.principal.as_str(),
-                        scope.operation.as_str(),
-                        key.as_str(),
-                    );
-                    let inserted = sqlx::query(sql::INSERT_REQUEST)
-                        .bind(p)
-                        .bind(o)
-                        .bind(k)
-                        .bind(claim.request)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db_error)?
-                        .rows_affected();
-                    if inserted == 1 {
-                        return Ok(Claimed::Won(tx));
-                    }
-                    let row = sqlx::query(sql::SELECT_REQUEST)
-                        .bind(p)
-                        .bind(o)
-                        .bind(k)
-                        .bind(retention)
-                        .fetch_optional(&mut *tx)
-                        .await
-                        .map_err(db_error)?;
-                    let found = match row {
-                        None => None,
-                        Some(row) => Some((
-                            row.try_get::<bool, _>(3).map_err(db_error)?,
-                            stored_request(&row)?,
-                        )),
-                    };
-                    if let Some((true, _)) = found {
-                        let replaced = sqlx::query(sql::REPLACE_EXPIRED_REQUEST)
-                            .bind(p)
-                            .bind(o)
-                            .bind(k)
-                            .bind(claim.request)
-                            .bind(retention)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(db_error)?
-                            .rows_affected();
-                        (replaced, None)
-                    } else {
-                        (0, found.map(|(_, s)| s))
-                    }
-                }
-                Identity::Message {
-                    subscriber,
-                    message_id,
-                } => {
-                    let (s, m) = (subscriber.as_str(), message_id.as_str());
-                    let inserted = sqlx::query(sql::INSERT_MESSAGE)
-                        .bind(s)
-                        .bind(m)
-                        .bind(claim.request)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db_error)?
-                        .rows_affected();
-                    if inserted == 1 {
-                        return Ok(Claimed::Won(tx));
-                    }
-                    let row = sqlx::query(sql::SELECT_MESSAGE)
-                        .bind(s)
-                        .bind(m)
-                        .bind(retention)
-                        .fetch_optional(&mut *tx)
-                        .await
-                        .map_err(db_error)?;
-                    match row {
-                        Some(row) if row.try_get::<bool, _>(1).map_err(db_error)? => {
-                            let replaced = sqlx::query(sql::REPLACE_EXPIRED_MESSAGE)
-                                .bind(s)
-                                .bind(m)
-                                .bind(claim.request)
-                                .bind(retention)
-                                .execute(&mut *tx)
-                                .await
-                                .map_err(db_error)?
-                                .rows_affected();
-                            (replaced, None)
-                        }
-                        Some(row) => (
-                            0,
-                            Some(Stored {
-                                request: row.try_get(0).map_err(db_error)?,
-                                response: None,
-                                status: Status::Succeeded,
-                            }),
-                        ),
-                        None => (0, None),
-                    }
-                }
-            };
-            if inserted == 1 {
-                return Ok(Claimed::Won(tx));
+        let claimed = async {
+            let (session_value, _): (String, String) = sqlx::query_as(sql::SET_LOCK_TIMEOUT)
+                .bind(lock_timeout(claim.wait))
+                .fetch_one(&mut *tx)
+                .await
+                .map_err(db_error)?;
+            let found = claim_in(&mut tx, claim).await?;
+            if found.is_none() {
+                sqlx::query(sql::RESTORE_LOCK_TIMEOUT)
+                    .bind(session_value)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
             }
-            if let Some(stored) = found {
-                tx.rollback().await.map_err(db_error)?;
-                return Ok(Claimed::Found(stored));
-            }
-            // The conflicting record vanished or was replaced between statements: claim again.
+            Ok::<_, DbError>(found)
         }
-        tx.rollback().await.map_err(db_error)?;
-        Err(DbError::new(
-            "postgres",
-            ErrorKind::Transient,
-            "the conflicting record kept changing during the claim",
-        ))
+        .await;
+        match claimed {
+            Ok(None) => Ok(Claimed::Won(tx)),
+            Ok(Some(stored)) => {
+                tx.rollback().await.map_err(db_error)?;
+                Ok(Claimed::Found(stored))
+            }
+            Err(e) => {
+                // The first error is the one to report; a failed rollback closes the
+                // connection, which rolls back on the server.
+                let _ = tx.rollback().await;
+                if e.code() == Some(error_codes::LOCK_NOT_AVAILABLE) {
+                    Ok(Claimed::InFlight)
+                } else {
+                    Err(e)
+                }
+            }
+        }
     }
 
     async fn finish(
@@ -273,29 +370,82 @@ impl Backend for PgBackend {
         claim: &Claim<'_>,
         end: Finish<'_>,
     ) -> Result<(), DbError> {
-        match end {
-            Finish::Rollback => tx.rollback().await.map_err(db_error),
-            Finish::Commit { response, status } => {
-                if let Identity::Request { scope, key } = claim.id {
-                    sqlx::query(sql::COMPLETE_REQUEST)
-                        .bind(scope.principal.as_str())
-                        .bind(scope.operation.as_str())
-                        .bind(key.as_str())
-                        .bind(response)
-                        .bind(status.code())
-                        .execute(&mut *tx)
+        let (response, status) = match end {
+            Finish::Rollback => return tx.rollback().await.map_err(db_error),
+            Finish::Commit { response, status } => (response, status),
+        };
+        let checked = match claim.id {
+            Identity::Request { scope, key } => {
+                let (p, o, k) = (
+                    scope.principal.as_str(),
+                    scope.operation.as_str(),
+                    key.as_str(),
+                );
+                let completed = sqlx::query(sql::COMPLETE_REQUEST)
+                    .bind(p)
+                    .bind(o)
+                    .bind(k)
+                    .bind(response)
+                    .bind(status.code())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?
+                    .rows_affected();
+                if completed == 1 {
+                    Ok(())
+                } else {
+                    let expired: Option<bool> = sqlx::query_scalar(sql::EXPIRED_REQUEST)
+                        .bind(p)
+                        .bind(o)
+                        .bind(k)
+                        .fetch_optional(&mut *tx)
                         .await
                         .map_err(db_error)?;
+                    Err(not_completed(expired))
                 }
-                tx.commit().await.map_err(db_error)
+            }
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => {
+                let expired: Option<bool> = sqlx::query_scalar(sql::EXPIRED_MESSAGE)
+                    .bind(subscriber.as_str())
+                    .bind(message_id.as_str())
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
+                if expired == Some(false) {
+                    Ok(())
+                } else {
+                    Err(not_completed(expired))
+                }
+            }
+        };
+        match checked {
+            Ok(()) => tx.commit().await.map_err(db_error),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(e)
             }
         }
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        // The driver's error, or the database error inside it: an effect error that wraps
+        // sqlx's with `#[error(transparent)]` exposes only the latter as its source.
+        if let Some(e) = error.downcast_ref::<sqlx::Error>() {
+            return Some(error_codes::classify(e));
+        }
+        // sqlx's `Error::Database` gives its boxed database error as its source.
+        if let Some(e) = error.downcast_ref::<Box<dyn sqlx::error::DatabaseError>>() {
+            return Some(
+                e.code()
+                    .map_or(ErrorKind::Other, |c| error_codes::kind_of(&c)),
+            );
+        }
         error
-            .downcast_ref::<sqlx::Error>()
-            .map(error_codes::classify)
+            .downcast_ref::<sqlx::postgres::PgDatabaseError>()
+            .map(|e| error_codes::kind_of(e.code()))
     }
 }
 

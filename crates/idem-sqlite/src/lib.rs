@@ -8,6 +8,32 @@
 //!   just before `COMMIT` (no placeholder is ever written).
 //! - Waiting writers use a busy timeout (5 s by default) and the protocol's bounded,
 //!   jittered retry on `SQLITE_BUSY`.
+//! - **Bounded waits.** SQLite has one writer at a time, so a claim waits for the write
+//!   lock whatever key holds it. The claim's busy wait (and its wait for a pooled
+//!   connection) is bounded by [`Claim::wait`] (at most the busy timeout). When it
+//!   elapses, the claim answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not
+//!   retried) only when this backend (or a clone of it) knows the same identity is
+//!   claimed by one of its open transactions (an in-process set of claimed
+//!   identities); otherwise the writer is busy with other keys, or another process holds
+//!   the lock, and the error stays the retryable `Busy`.
+//! - **Retention in the row.** The claim reads the database clock once (after `BEGIN
+//!   IMMEDIATE`); the record is written with `created_at` = that moment and
+//!   `expires_at` = that moment + the operation's retention (migration 0002; before it,
+//!   the window started at completion). Lookups and claims read `expires_at`;
+//!   `purge_batch(table, older_than, limit)` deletes records that are expired **and**
+//!   claimed at least `older_than` ago. A record whose window ended while its effect ran
+//!   is not written: the transaction rolls back with a non-retried error saying the
+//!   retention is shorter than the effect.
+//! - **Durability.** `synchronous=FULL` by default: an acknowledged commit survives a
+//!   power loss. [`Synchronous::Normal`] (faster in WAL mode, may lose the last commits
+//!   on power loss) only through [`SqliteOptions::synchronous`].
+//! - **In-memory databases** (`sqlite::memory:`) have one connection. A cancelled call
+//!   (a timeout, a dropped handler) or a panicking effect rolls that connection's
+//!   transaction back and keeps it: the database is never wiped. Inside an effect, run
+//!   SQL with [`SqliteTx::run`]: [`SqliteBackend::interact`] (or a nested idem call)
+//!   from the effect's own task is refused at once with a
+//!   [`ErrorKind::Configuration`] error, and from any other task it waits at most the
+//!   busy timeout, then fails with `Busy` (never a deadlock).
 //! - rusqlite is blocking: every call runs on tokio's blocking pool
 //!   ([`tokio::task::spawn_blocking`]), never on the async worker threads. Effects get
 //!   a [`SqliteTx`] and run their SQL with [`SqliteTx::run`].
@@ -37,9 +63,11 @@
 pub mod error_codes;
 mod sql;
 
+use std::collections::HashSet;
 use std::error::Error as StdError;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use idem_core::blocking::{BlockingPool, Lease, Manager};
@@ -53,11 +81,18 @@ use rusqlite::{Connection, OptionalExtension, params};
 pub use error_codes::db_error;
 
 /// The migrations embedded from `migrations/sqlite/`.
-pub const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_idempotency_records.sql",
-    sql: include_str!("../../../migrations/sqlite/0001_idempotency_records.sql"),
-}];
+pub const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_idempotency_records.sql",
+        sql: include_str!("../../../migrations/sqlite/0001_idempotency_records.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_expiry.sql",
+        sql: include_str!("../../../migrations/sqlite/0002_expiry.sql"),
+    },
+];
 
 const ENGINE: &str = "sqlite";
 
@@ -102,10 +137,77 @@ impl Location {
     }
 }
 
+/// SQLite's `synchronous` setting: how hard a commit waits for the disk.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Synchronous {
+    /// `synchronous=FULL` (the default): a commit is on disk before it is acknowledged,
+    /// also in WAL mode, so an acknowledged effect survives a power loss.
+    #[default]
+    Full,
+    /// `synchronous=NORMAL`: faster in WAL mode, but the last commits before a power
+    /// loss (not a process crash) can be lost, and with them acknowledged effects and
+    /// their records. Opt in only when that is acceptable.
+    Normal,
+}
+
+impl Synchronous {
+    fn pragma(self) -> &'static str {
+        match self {
+            Self::Full => "FULL",
+            Self::Normal => "NORMAL",
+        }
+    }
+}
+
+/// How [`SqliteBackend::open_with_options`] opens a database.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SqliteOptions {
+    max_connections: usize,
+    busy_timeout: Duration,
+    synchronous: Synchronous,
+}
+
+impl Default for SqliteOptions {
+    /// 16 connections (1 in memory), a 5 s busy timeout, `synchronous=FULL`.
+    fn default() -> Self {
+        Self {
+            max_connections: 16,
+            busy_timeout: Duration::from_secs(5),
+            synchronous: Synchronous::Full,
+        }
+    }
+}
+
+impl SqliteOptions {
+    /// At most this many connections (forced to 1 for an in-memory database).
+    #[must_use]
+    pub fn max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n.max(1);
+        self
+    }
+
+    /// How long a statement waits for another connection's lock (`busy_timeout`). A
+    /// claim waits at most the smaller of this and the call's wait bound.
+    #[must_use]
+    pub fn busy_timeout(mut self, d: Duration) -> Self {
+        self.busy_timeout = d;
+        self
+    }
+
+    /// The `synchronous` setting (default [`Synchronous::Full`]).
+    #[must_use]
+    pub fn synchronous(mut self, s: Synchronous) -> Self {
+        self.synchronous = s;
+        self
+    }
+}
+
 /// What the pool needs to open connections, and SQLite's hooks for it.
 struct Sqlite {
     location: Location,
     busy_timeout: Duration,
+    synchronous: Synchronous,
 }
 
 impl Manager for Sqlite {
@@ -113,21 +215,58 @@ impl Manager for Sqlite {
     const ENGINE: &'static str = ENGINE;
 
     fn open(&self) -> Result<Connection, DbError> {
-        open_connection(&self.location, self.busy_timeout)
+        open_connection(&self.location, self.busy_timeout, self.synchronous)
     }
 
     fn in_transaction(&self, conn: &Connection) -> bool {
         !conn.is_autocommit()
     }
 
-    // `reset` keeps its default: a connection left inside a transaction (a cancelled
-    // future) is closed, which rolls it back, instead of going back to the pool.
+    /// A connection left inside a transaction (a cancelled call, a panicking effect) is
+    /// rolled back and kept: closing it would wipe an in-memory database, whose only
+    /// connection it is.
+    fn reset(&self, conn: &Connection) -> bool {
+        conn.execute_batch(sql::ROLLBACK).is_ok() && conn.is_autocommit()
+    }
+}
+
+/// The identities this backend's open transactions have claimed (shared by clones).
+type InFlight = Arc<Mutex<HashSet<IdOwned>>>;
+
+/// The tokio task whose open idem transaction holds an in-memory database's only
+/// connection (shared by clones).
+type Holder = Arc<Mutex<Option<tokio::task::Id>>>;
+
+/// Removes a won identity from the in-flight set (and clears the holder) when its
+/// transaction ends.
+struct InFlightGuard {
+    in_flight: InFlight,
+    id: IdOwned,
+    holder: Holder,
+}
+
+impl Drop for InFlightGuard {
+    fn drop(&mut self) {
+        lock(&self.in_flight).remove(&self.id);
+        *self
+            .holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
+fn lock(set: &InFlight) -> std::sync::MutexGuard<'_, HashSet<IdOwned>> {
+    // The set holds plain data: a panic while it was locked cannot break it.
+    set.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// An idem backend on one SQLite database, with a small pool of connections.
 #[derive(Clone)]
 pub struct SqliteBackend {
     pool: BlockingPool<Sqlite>,
+    in_flight: InFlight,
+    holder: Holder,
 }
 
 impl fmt::Debug for SqliteBackend {
@@ -136,6 +275,7 @@ impl fmt::Debug for SqliteBackend {
         f.debug_struct("SqliteBackend")
             .field("location", &manager.location)
             .field("busy_timeout", &manager.busy_timeout)
+            .field("synchronous", &manager.synchronous)
             .finish_non_exhaustive()
     }
 }
@@ -146,10 +286,10 @@ impl SqliteBackend {
         Self::open(Location::parse(url)?).await
     }
 
-    /// Opens a database with up to 16 connections (one for `Memory`) and a 5 s busy
-    /// timeout.
+    /// Opens a database with [`SqliteOptions::default`]: up to 16 connections (one for
+    /// `Memory`), a 5 s busy timeout and `synchronous=FULL`.
     pub async fn open(location: Location) -> Result<Self, DbError> {
-        Self::open_with(location, 16, Duration::from_secs(5)).await
+        Self::open_with_options(location, SqliteOptions::default()).await
     }
 
     /// Opens a database with `max_connections` (forced to 1 in memory) and a busy timeout.
@@ -158,17 +298,31 @@ impl SqliteBackend {
         max_connections: usize,
         busy_timeout: Duration,
     ) -> Result<Self, DbError> {
+        let options = SqliteOptions::default()
+            .max_connections(max_connections)
+            .busy_timeout(busy_timeout);
+        Self::open_with_options(location, options).await
+    }
+
+    /// Opens a database with explicit options (for example [`Synchronous::Normal`]).
+    pub async fn open_with_options(
+        location: Location,
+        options: SqliteOptions,
+    ) -> Result<Self, DbError> {
         let max = if location == Location::Memory {
             1
         } else {
-            max_connections.max(1)
+            options.max_connections.max(1)
         };
         let manager = Sqlite {
             location,
-            busy_timeout,
+            busy_timeout: options.busy_timeout,
+            synchronous: options.synchronous,
         };
         let backend = Self {
             pool: BlockingPool::new(manager, max),
+            in_flight: InFlight::default(),
+            holder: Holder::default(),
         };
         // Open one connection now so a bad path fails here, not on first use.
         backend.interact(|_| Ok(())).await?;
@@ -181,6 +335,11 @@ impl SqliteBackend {
     }
 
     /// Runs `f` on a pooled connection, outside any idem transaction, on the blocking pool.
+    ///
+    /// Inside an effect, use [`SqliteTx::run`] instead: an in-memory database has one
+    /// connection, which the effect's transaction holds, so `interact` there cannot get
+    /// one. It then waits at most the busy timeout and fails with an error that says so
+    /// (never a deadlock).
     pub async fn interact<T, F>(&self, f: F) -> Result<T, DbError>
     where
         F: FnOnce(&Connection) -> rusqlite::Result<T> + Send + 'static,
@@ -190,12 +349,74 @@ impl SqliteBackend {
         lease.run(move |c| f(c).map_err(db_error)).await
     }
 
+    /// A connection. An in-memory database's only connection may be held by an open
+    /// idem transaction: the wait is then bounded by the busy timeout.
     async fn lease(&self) -> Result<Lease<Sqlite>, DbError> {
-        self.pool.lease().await
+        let manager = self.pool.manager();
+        if manager.location != Location::Memory {
+            return self.pool.lease().await;
+        }
+        let current = tokio::task::try_id();
+        let held_by = *self
+            .holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.is_some() && current == held_by {
+            // The caller is the effect of the transaction that holds the only
+            // connection: waiting would never end.
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::Configuration,
+                "SqliteBackend::interact (or another idem call) was used inside an effect on an \
+                 in-memory database: its only connection is the effect's own transaction. Run \
+                 the effect's SQL with SqliteTx::run",
+            ));
+        }
+        let wait = manager.busy_timeout;
+        match tokio::time::timeout(wait, self.pool.lease()).await {
+            Ok(lease) => lease,
+            Err(_) => Err(DbError::new(
+                ENGINE,
+                ErrorKind::Busy,
+                format!(
+                    "the in-memory database's only connection stayed in use for {wait:?} (the \
+                     busy timeout); an idem transaction holds it until its effect ends. Inside \
+                     an effect, run SQL with SqliteTx::run, not SqliteBackend::interact"
+                ),
+            )),
+        }
+    }
+
+    /// A connection for a claim, waited for at most `wait`; `Ok(None)` when it did not
+    /// come in time.
+    async fn lease_within(&self, wait: Duration) -> Result<Option<Lease<Sqlite>>, DbError> {
+        match tokio::time::timeout(wait, self.pool.lease()).await {
+            Ok(lease) => lease.map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+
+    fn is_in_flight(&self, id: &IdOwned) -> bool {
+        lock(&self.in_flight).contains(id)
+    }
+
+    /// The answer when a claim could not start in time: [`Claimed::InFlight`] when this
+    /// backend knows the same identity is claimed by an open transaction, else the
+    /// retryable busy error (another key holds the write lock).
+    fn not_in_time(&self, id: &IdOwned, busy: DbError) -> Result<Claimed<SqliteTx>, DbError> {
+        if self.is_in_flight(id) {
+            Ok(Claimed::InFlight)
+        } else {
+            Err(busy)
+        }
     }
 }
 
-fn open_connection(location: &Location, busy_timeout: Duration) -> Result<Connection, DbError> {
+fn open_connection(
+    location: &Location,
+    busy_timeout: Duration,
+    synchronous: Synchronous,
+) -> Result<Connection, DbError> {
     let conn = match location {
         Location::File(path) => Connection::open(path),
         Location::Memory => Connection::open_in_memory(),
@@ -216,9 +437,9 @@ fn open_connection(location: &Location, busy_timeout: Duration) -> Result<Connec
     if matches!(location, Location::File(_)) {
         conn.pragma_update(None, "journal_mode", "WAL")
             .map_err(db_error)?;
-        conn.pragma_update(None, "synchronous", "NORMAL")
-            .map_err(db_error)?;
     }
+    conn.pragma_update(None, "synchronous", synchronous.pragma())
+        .map_err(db_error)?;
     conn.pragma_update(None, "foreign_keys", "ON")
         .map_err(db_error)?;
     Ok(conn)
@@ -227,6 +448,9 @@ fn open_connection(location: &Location, busy_timeout: Duration) -> Result<Connec
 /// The open `BEGIN IMMEDIATE` transaction handed to effects.
 pub struct SqliteTx {
     lease: Lease<Sqlite>,
+    /// The database clock at the claim (µs): the record's `created_at`.
+    claimed_at: i64,
+    _claimed: InFlightGuard,
 }
 
 impl fmt::Debug for SqliteTx {
@@ -238,13 +462,36 @@ impl fmt::Debug for SqliteTx {
 impl SqliteTx {
     /// Runs `f` on the transaction's connection, on tokio's blocking pool. Everything
     /// `f` writes commits or rolls back with the idempotency record.
+    ///
+    /// # Panics
+    ///
+    /// Re-raises a panic of `f`. The connection survives it: the transaction is rolled
+    /// back when this `SqliteTx` is dropped, and the connection (an in-memory database's
+    /// only one) goes back to the pool.
     pub async fn run<T, F>(&mut self, f: F) -> T
     where
         F: FnOnce(&Connection) -> T + Send + 'static,
         T: Send + 'static,
     {
-        self.lease.run(f).await
+        let caught = self
+            .lease
+            .run(move |c| std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(c))))
+            .await;
+        match caught {
+            Ok(out) => out,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
     }
+}
+
+/// The error of a completion whose record's window ended while the effect ran.
+fn expired_during_effect() -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        "the record expired before the effect finished; the retention is shorter than the \
+         effect (idem rolled back and stored nothing)",
+    )
 }
 
 fn micros(d: Duration) -> i64 {
@@ -252,7 +499,6 @@ fn micros(d: Duration) -> i64 {
 }
 
 fn read_record(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, DbError> {
-    let retention = micros(claim.retention);
     match &claim.id {
         IdOwned::Request {
             principal,
@@ -261,7 +507,7 @@ fn read_record(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, 
         } => conn
             .prepare_cached(sql::SELECT_REQUEST)
             .map_err(db_error)?
-            .query_row(params![principal, operation, key, retention], |r| {
+            .query_row(params![principal, operation, key], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, String>(1)?,
@@ -284,7 +530,7 @@ fn read_record(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, 
         } => conn
             .prepare_cached(sql::SELECT_MESSAGE)
             .map_err(db_error)?
-            .query_row(params![subscriber, message_id, retention], |r| {
+            .query_row(params![subscriber, message_id], |r| {
                 r.get::<_, Option<String>>(0)
             })
             .optional()
@@ -307,7 +553,7 @@ struct ClaimOwned {
     retention: Duration,
 }
 
-#[derive(Clone)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 enum IdOwned {
     Request {
         principal: String,
@@ -349,33 +595,81 @@ impl Backend for SqliteBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let claim = ClaimOwned::from(claim);
+        if self.is_in_flight(&claim.id) {
+            // An open transaction of this backend claimed it: no committed, live record
+            // exists. The claim waits (bounded) for that transaction.
+            return Ok(None);
+        }
         let mut lease = self.lease().await?;
         lease.run(move |c| read_record(c, &claim)).await
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<SqliteTx>, DbError> {
+        let wait = claim.wait;
         let claim = ClaimOwned::from(claim);
-        let mut lease = self.lease().await?;
+        let busy = || {
+            DbError::new(
+                ENGINE,
+                ErrorKind::Busy,
+                format!("the database stayed locked for the claim's wait bound ({wait:?})"),
+            )
+        };
+        let Some(mut lease) = self.lease_within(wait).await? else {
+            return self.not_in_time(&claim.id, busy());
+        };
+        let busy_timeout = self.pool.manager().busy_timeout.min(wait);
+        let configured = self.pool.manager().busy_timeout;
+        let id = claim.id.clone();
         let found = lease
-            .run(move |c| -> Result<Option<Stored>, DbError> {
-                c.execute_batch(sql::BEGIN_IMMEDIATE).map_err(db_error)?;
-                match read_record(c, &claim) {
-                    Ok(None) => Ok(None),
-                    Ok(Some(stored)) => {
+            .run(move |c| -> Result<Result<Stored, i64>, DbError> {
+                // The wait for the write lock is bounded by the claim's wait.
+                c.busy_timeout(busy_timeout).map_err(db_error)?;
+                let begun = c.execute_batch(sql::BEGIN_IMMEDIATE);
+                c.busy_timeout(configured).map_err(db_error)?;
+                begun.map_err(db_error)?;
+                let read = read_record(c, &claim).and_then(|found| match found {
+                    Some(stored) => Ok(Ok(stored)),
+                    None => c
+                        .query_row(sql::NOW, [], |r| r.get::<_, i64>(0))
+                        .map(Err)
+                        .map_err(db_error),
+                });
+                match read {
+                    Ok(Ok(stored)) => {
                         c.execute_batch(sql::ROLLBACK).map_err(db_error)?;
-                        Ok(Some(stored))
+                        Ok(Ok(stored))
                     }
+                    Ok(Err(now)) => Ok(Err(now)),
                     Err(e) => {
                         let _ = c.execute_batch(sql::ROLLBACK);
                         Err(e)
                     }
                 }
             })
-            .await?;
-        Ok(match found {
-            Some(stored) => Claimed::Found(stored),
-            None => Claimed::Won(SqliteTx { lease }),
-        })
+            .await;
+        match found {
+            Ok(Ok(stored)) => Ok(Claimed::Found(stored)),
+            Ok(Err(claimed_at)) => {
+                lock(&self.in_flight).insert(id.clone());
+                if self.pool.manager().location == Location::Memory {
+                    *self
+                        .holder
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
+                }
+                Ok(Claimed::Won(SqliteTx {
+                    lease,
+                    claimed_at,
+                    _claimed: InFlightGuard {
+                        in_flight: Arc::clone(&self.in_flight),
+                        id,
+                        holder: Arc::clone(&self.holder),
+                    },
+                }))
+            }
+            Err(e) if e.kind() == ErrorKind::Busy => self.not_in_time(&id, e),
+            Err(e) => Err(e),
+        }
     }
 
     async fn finish(
@@ -391,6 +685,8 @@ impl Backend for SqliteBackend {
             }
             Finish::Rollback => None,
         };
+        let claimed_at = tx.claimed_at;
+        let expires_at = claimed_at.saturating_add(micros(claim.retention));
         tx.lease
             .run(move |c| -> Result<(), DbError> {
                 let Some((response, status)) = end else {
@@ -408,33 +704,45 @@ impl Backend for SqliteBackend {
                             key,
                             claim.request,
                             response,
-                            status
+                            status,
+                            claimed_at,
+                            expires_at
                         ])
                     }),
                     IdOwned::Message {
                         subscriber,
                         message_id,
                     } => c.prepare_cached(sql::UPSERT_MESSAGE).and_then(|mut s| {
-                        s.execute(params![subscriber, message_id, claim.request])
+                        s.execute(params![
+                            subscriber,
+                            message_id,
+                            claim.request,
+                            claimed_at,
+                            expires_at
+                        ])
                     }),
                 };
-                match written.and_then(|_| c.execute_batch(sql::COMMIT)) {
-                    Ok(()) => Ok(()),
-                    Err(e) => {
-                        if !c.is_autocommit() {
-                            let _ = c.execute_batch(sql::ROLLBACK);
-                        }
-                        Err(db_error(e))
-                    }
+                let committed = match written {
+                    Ok(1) => c.execute_batch(sql::COMMIT).map_err(db_error),
+                    Ok(_) => Err(expired_during_effect()),
+                    Err(e) => Err(db_error(e)),
+                };
+                if committed.is_err() && !c.is_autocommit() {
+                    let _ = c.execute_batch(sql::ROLLBACK);
                 }
+                committed
             })
             .await
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        if let Some(e) = error.downcast_ref::<rusqlite::Error>() {
+            return Some(error_codes::classify(e));
+        }
+        // What a `transparent` wrapper of rusqlite's error exposes as its source.
         error
-            .downcast_ref::<rusqlite::Error>()
-            .map(error_codes::classify)
+            .downcast_ref::<rusqlite::ffi::Error>()
+            .map(|e| error_codes::kind_of(e.extended_code))
     }
 }
 

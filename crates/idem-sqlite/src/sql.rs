@@ -11,49 +11,66 @@ pub(crate) const BEGIN_IMMEDIATE: &str = "BEGIN IMMEDIATE";
 pub(crate) const COMMIT: &str = "COMMIT";
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
+/// The database clock, read once by the claim: the record's `created_at`, and the
+/// start of its retention window.
+pub(crate) const NOW: &str = concat!("SELECT ", now_us!());
+
+/// A live record (claim and fast path). Params: principal, operation, key.
 pub(crate) const SELECT_REQUEST: &str = concat!(
     "SELECT request, response, status FROM idem_request_result ",
-    "WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND created_at >= ",
-    now_us!(),
-    " - ?4"
+    "WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND expires_at > ",
+    now_us!()
 );
 
+/// Params: subscriber, message ID.
 pub(crate) const SELECT_MESSAGE: &str = concat!(
     "SELECT fingerprint FROM idem_processed_message ",
-    "WHERE subscriber = ?1 AND message_id = ?2 AND processed_at >= ",
-    now_us!(),
-    " - ?3"
+    "WHERE subscriber = ?1 AND message_id = ?2 AND expires_at > ",
+    now_us!()
 );
 
 /// Written once, with the final response, while `BEGIN IMMEDIATE` holds the write
 /// lock. The conflict branch replaces an expired record only: the claim saw no live one.
+/// Nothing is written (0 rows) when the record's own window (from the claim) already
+/// ended while the effect ran. Params: principal, operation, key, request, response,
+/// status, claimed at (µs), expires at (µs).
 pub(crate) const UPSERT_REQUEST: &str = concat!(
-    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) ",
-    "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ",
+    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) ",
+    "SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8 WHERE ?8 > ",
     now_us!(),
-    ") ON CONFLICT (principal, operation, request_key) DO UPDATE SET ",
-    "request = excluded.request, response = excluded.response, status = excluded.status, created_at = excluded.created_at"
+    " ON CONFLICT (principal, operation, request_key) DO UPDATE SET ",
+    "request = excluded.request, response = excluded.response, status = excluded.status, ",
+    "created_at = excluded.created_at, expires_at = excluded.expires_at"
 );
 
+/// Params: subscriber, message ID, fingerprint, claimed at (µs), expires at (µs).
 pub(crate) const UPSERT_MESSAGE: &str = concat!(
-    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at) VALUES (?1, ?2, ?3, ",
+    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) ",
+    "SELECT ?1, ?2, ?3, ?4, ?5 WHERE ?5 > ",
     now_us!(),
-    ") ON CONFLICT (subscriber, message_id) DO UPDATE SET ",
-    "fingerprint = excluded.fingerprint, processed_at = excluded.processed_at"
+    " ON CONFLICT (subscriber, message_id) DO UPDATE SET ",
+    "fingerprint = excluded.fingerprint, processed_at = excluded.processed_at, expires_at = excluded.expires_at"
 );
 
+/// Records that are expired **and** were claimed at least `?1` µs ago. Params: older
+/// than (µs), limit.
 pub(crate) const PURGE_REQUESTS: &str = concat!(
     "DELETE FROM idem_request_result WHERE (principal, operation, request_key) IN (",
-    "SELECT principal, operation, request_key FROM idem_request_result WHERE created_at < ",
+    "SELECT principal, operation, request_key FROM idem_request_result WHERE expires_at <= ",
     now_us!(),
-    " - ?1 ORDER BY created_at LIMIT ?2)"
+    " AND created_at <= ",
+    now_us!(),
+    " - ?1 ORDER BY expires_at LIMIT ?2)"
 );
 
+/// Like [`PURGE_REQUESTS`], for messages.
 pub(crate) const PURGE_MESSAGES: &str = concat!(
     "DELETE FROM idem_processed_message WHERE (subscriber, message_id) IN (",
-    "SELECT subscriber, message_id FROM idem_processed_message WHERE processed_at < ",
+    "SELECT subscriber, message_id FROM idem_processed_message WHERE expires_at <= ",
     now_us!(),
-    " - ?1 ORDER BY processed_at LIMIT ?2)"
+    " AND processed_at <= ",
+    now_us!(),
+    " - ?1 ORDER BY expires_at LIMIT ?2)"
 );
 
 pub(crate) const CREATE_MIGRATIONS: &str = "CREATE TABLE IF NOT EXISTS idem_schema_migrations (\
@@ -71,6 +88,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("begin", BEGIN_IMMEDIATE),
     ("commit", COMMIT),
     ("rollback", ROLLBACK),
+    ("now", NOW),
     ("select_request", SELECT_REQUEST),
     ("select_message", SELECT_MESSAGE),
     ("upsert_request", UPSERT_REQUEST),
