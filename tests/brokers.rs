@@ -820,6 +820,15 @@ async fn dead_letters<K: Engine>(ctx: &Ctx<K>) -> Res {
         .await?;
     tokio::time::sleep(NATS_DUP_WINDOW + Duration::from_millis(100)).await;
     ctx.topic.publish(&[(Some(id.clone()), 51)]).await?;
+    // Through `idem publish`: an unknown account (the effect refuses it for good) and a
+    // negative amount (refused before any SQL).
+    let (unknown, negative) = (unique("dl-account"), unique("dl-amount"));
+    for (mid, account, amount) in [(&unknown, "999", "50"), (&negative, "1", "-5")] {
+        let mut args = ctx.topic.publish_args();
+        args.extend(["--id", mid, "--account", account, "--amount", amount].map(String::from));
+        let e = finish(spawn(&ctx.url, "publish", &args)?).await?;
+        check(e.status.success(), || e.stderr.clone())?;
+    }
     let sub = "dead-letters";
     let s = summary(spawn(
         &ctx.url,
@@ -828,21 +837,24 @@ async fn dead_letters<K: Engine>(ctx: &Ctx<K>) -> Res {
     )?)
     .await?;
     check(
-        s.applied == 1 && s.dead_lettered == 2 && s.acked() == 3,
+        s.applied == 1 && s.dead_lettered == 4 && s.acked() == 5,
         || format!("{s:?}"),
     )?;
     let mut dl = ctx.topic.dead_letters().await?;
     dl.sort();
-    let expected = vec![
+    let mut expected = vec![
         (None, "missing-message-id".to_owned()),
         (Some(id.clone()), "payload-mismatch".to_owned()),
+        (Some(unknown), "effect-rejected".to_owned()),
+        (Some(negative), "malformed-body".to_owned()),
     ];
+    expected.sort();
     check(dl == expected, || {
         format!("dead letters {dl:?}, expected {expected:?}")
     })?;
     let text = invariant(ctx, sub, &BTreeMap::from([(id, 50)])).await?;
     report(
-        "missing ID and payload mismatch",
+        "dead letters",
         ctx.topic.broker,
         K::NAME,
         &format!(
