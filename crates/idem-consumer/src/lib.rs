@@ -23,6 +23,12 @@
 //! Shutdown (a [`CancellationToken`]) lets the message in hand finish: it is committed
 //! and acknowledged, or returned; messages prefetched but not started are returned to the
 //! broker.
+//!
+//! Implement [`Handler`] (decode the body, run the effect in the transaction), wrap it in
+//! a [`Consumer`] with an [`Idem`] and a subscriber, and pass it to `amqp::run` or
+//! `nats::run`. The `idem consume` command (crates/idem-cli/src/consume.rs) is a complete
+//! example: the demo's credit on any engine. docs/consumers.md describes each broker's
+//! message ID, redelivery window and dead-lettering.
 
 mod decision;
 mod error;
