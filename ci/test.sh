@@ -50,7 +50,8 @@ step "build"
 cargo build --workspace --all-targets --all-features --locked
 
 step "unit, snapshot, offline and doc tests (no database server)"
-cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql
+cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql --exclude idem-cli
+cargo test --locked -p idem-cli --all-features --bins
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
 cargo test --locked -p idem-tests --all-features --test workflows
@@ -74,6 +75,14 @@ for engine in sqlite postgres mysql mssql oracle; do
   esac
 done
 
+if wants sqlite && wants postgres && wants mysql; then
+  step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"
+  cargo test --locked -p idem-tests --all-features --test hostile
+  step "effect errors of every shape: a deadlock inside the effect retried with the same key"
+  cargo test --locked -p idem-tests --all-features --test effect_errors
+  step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
+  cargo test --locked -p idem-cli --all-features --test cli
+fi
 # The consumer processes under test are the `idem` binary built above.
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue

@@ -8,10 +8,11 @@ use idem::{
     Request, Scope, Subscriber,
 };
 use idem_conformance::harness::{self, Report};
-use idem_conformance::{Bank, docs};
+use idem_conformance::{Bank, cases, docs};
+use indicatif::{ProgressBar, ProgressStyle};
 use serde_json::json;
 
-use crate::fail::{self, Fail};
+use crate::fail::{self, Fail, connect_within};
 
 /// Parses `500ms`, `30s`, `90m`, `24h`, `7d` (a positive whole number and a unit).
 pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -42,7 +43,7 @@ pub(crate) fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
-/// The demo's rule (the seed's 22023): amounts are positive whole numbers.
+/// The demo's rule: amounts are positive whole numbers.
 pub(crate) fn positive(amount: i64) -> Result<(), InvalidInput> {
     if amount <= 0 {
         return Err(InvalidInput::new(
@@ -54,7 +55,7 @@ pub(crate) fn positive(amount: i64) -> Result<(), InvalidInput> {
 }
 
 pub(crate) async fn migrate(url: &str) -> Result<(), Fail> {
-    let backend = AnyBackend::connect(url).await?;
+    let backend = connect_within(url, AnyBackend::connect(url)).await?;
     let applied = backend.migrate().await?;
     if applied.is_empty() {
         println!("schema is up to date");
@@ -65,17 +66,37 @@ pub(crate) async fn migrate(url: &str) -> Result<(), Fail> {
 }
 
 pub(crate) async fn purge(url: &str, older_than: Duration, batch: u32) -> Result<(), Fail> {
-    let backend = AnyBackend::connect(url).await?;
-    let report = backend.purge(older_than, batch).await?;
+    let backend = connect_within(url, AnyBackend::connect(url)).await?;
+    // Drawn on stderr, and only when it is a terminal: piped output stays plain.
+    let spinner = ProgressBar::new_spinner().with_message("purging");
+    spinner.enable_steady_tick(Duration::from_millis(120));
+    let report = backend
+        .purge_with_progress(older_than, batch, |r| {
+            spinner.set_message(format!(
+                "deleted {} request records and {} processed messages so far",
+                r.requests, r.messages
+            ));
+        })
+        .await;
+    spinner.finish_and_clear();
+    let report = report?;
     println!(
-        "deleted {} request records and {} processed messages older than {older_than:?} in {} statements",
+        "deleted {} expired request records and {} expired processed messages (written at least {older_than:?} ago) in {} statements",
         report.requests, report.messages, report.batches
     );
     Ok(())
 }
 
-async fn connected<K: Bank>(url: &str) -> Result<K, Fail> {
-    let bank = K::connect(url, None).await?;
+/// Connects once and disconnects, so that an unreachable or silent server fails with
+/// its own exit code before a long command starts.
+pub(crate) async fn probe<K: Bank>(url: &str) -> Result<(), Fail> {
+    let bank = connect_within(url, K::connect(url, None)).await?;
+    bank.close().await?;
+    Ok(())
+}
+
+pub(crate) async fn connected<K: Bank>(url: &str) -> Result<K, Fail> {
+    let bank = connect_within(url, K::connect(url, None)).await?;
     bank.setup().await?;
     Ok(bank)
 }
@@ -179,12 +200,23 @@ pub(crate) async fn credit_message<K: Bank>(
 
 pub(crate) async fn check<K: Bank>(url: &str, json_out: Option<&Path>) -> Result<(), Fail> {
     println!("idem check: {} at {}", K::ENGINE, idem::redact(url));
-    let report = harness::check::<K>(url, |row| match &row.failure {
-        None => println!("  pass  {:<40} {:>6} ms", row.name, row.millis),
-        Some(why) => println!("  FAIL  {:<40} {:>6} ms  {why}", row.name, row.millis),
+    probe::<K>(url).await?;
+    let total = cases::all::<K>().len();
+    // Drawn on stderr, and only when it is a terminal: piped output stays plain.
+    let bar = ProgressBar::new(u64::try_from(total).unwrap_or(u64::MAX));
+    if let Ok(style) = ProgressStyle::with_template("{bar:30} {pos}/{len} checks, {elapsed}") {
+        bar.set_style(style);
+    }
+    let report = harness::check::<K>(url, |row| {
+        bar.suspend(|| match &row.failure {
+            None => println!("  pass  {:<40} {:>6} ms", row.name, row.millis),
+            Some(why) => println!("  FAIL  {:<40} {:>6} ms  {why}", row.name, row.millis),
+        });
+        bar.inc(1);
     })
-    .await
-    .map_err(|e| Fail::new(1, e.to_string()))?;
+    .await;
+    bar.finish_and_clear();
+    let report = report.map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
     println!("server: {}", report.server);
     println!("documented behaviour:");
     for (what, how) in &report.capabilities {
@@ -214,7 +246,8 @@ pub(crate) async fn check<K: Bank>(url: &str, json_out: Option<&Path>) -> Result
     Ok(())
 }
 
-pub(crate) fn docs(paths: &[PathBuf], out: &Path) -> Result<(), Fail> {
+/// Writes the Markdown to `out`, or to standard output without it.
+pub(crate) fn docs(paths: &[PathBuf], out: Option<&Path>) -> Result<(), Fail> {
     let mut reports = Vec::new();
     for path in paths {
         let text = std::fs::read_to_string(path)
@@ -231,9 +264,14 @@ pub(crate) fn docs(paths: &[PathBuf], out: &Path) -> Result<(), Fail> {
         reports.push(report);
     }
     let markdown = docs::engines_markdown(&reports);
-    std::fs::write(out, markdown)
-        .map_err(|e| Fail::new(1, format!("cannot write {}: {e}", out.display())))?;
-    println!("wrote {}", out.display());
+    match out {
+        Some(out) => {
+            std::fs::write(out, markdown)
+                .map_err(|e| Fail::new(1, format!("cannot write {}: {e}", out.display())))?;
+            println!("wrote {}", out.display());
+        }
+        None => print!("{markdown}"),
+    }
     Ok(())
 }
 

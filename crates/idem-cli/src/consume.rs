@@ -15,7 +15,7 @@ use idem_conformance::{Balance, Bank, BankError};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::commands::positive;
+use crate::commands::{connected, positive};
 use crate::fail::{self, Fail};
 
 /// The message format, shown by `idem consume --help` and `idem publish --help`.
@@ -34,7 +34,9 @@ MESSAGE FORMAT (any AMQP 0-9-1 or NATS client can produce it):
   `malformed-body`, `payload-mismatch`, `effect-rejected`), then acknowledged.
   A database failure returns the message for redelivery after a growing pause.
   SIGTERM or Ctrl-C: the message in hand is finished, then the command exits 0.
-  stdout: one JSON line of counts when the command ends.";
+  stdout: one JSON line of counts when the command ends. A broker that cannot be reached
+  exits 7 (as a database does); a broker failure while consuming exits 1, and the messages
+  in hand are redelivered.";
 
 /// Where `idem consume` reads from.
 #[derive(Debug, Args)]
@@ -200,9 +202,9 @@ impl<K: Bank> Handler<K::B> for CreditHandler<K> {
 fn cancel_on_signals(token: CancellationToken) -> Result<(), Fail> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())
-        .map_err(|e| Fail::new(1, format!("cannot handle SIGTERM: {e}")))?;
+        .map_err(|e| Fail::new(fail::OTHER, format!("cannot handle SIGTERM: {e}")))?;
     let mut int = signal(SignalKind::interrupt())
-        .map_err(|e| Fail::new(1, format!("cannot handle SIGINT: {e}")))?;
+        .map_err(|e| Fail::new(fail::OTHER, format!("cannot handle SIGINT: {e}")))?;
     tokio::spawn(async move {
         tokio::select! {
             _ = term.recv() => {}
@@ -217,15 +219,15 @@ fn cancel_on_signals(token: CancellationToken) -> Result<(), Fail> {
 fn broker_fail(e: idem::consumer::ConsumerError) -> Fail {
     let code = match e {
         idem::consumer::ConsumerError::Config(_) => fail::INVALID_INPUT,
-        _ => 1,
+        idem::consumer::ConsumerError::Connect { .. } => fail::CANNOT_CONNECT,
+        _ => fail::OTHER,
     };
     Fail::new(code, e.to_string())
 }
 
 pub(crate) async fn consume<K: Bank>(url: &str, args: ConsumeArgs) -> Result<(), Fail> {
     let subscriber = Subscriber::new(args.subscriber.as_str())?;
-    let bank = K::connect(url, None).await?;
-    bank.setup().await?;
+    let bank = connected::<K>(url).await?;
     let handler = CreditHandler {
         crash_after_commit: args.crash_after_commit,
         crash_before_commit: args.crash_before_commit,
@@ -379,12 +381,12 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
                 let channel = connection
                     .create_channel()
                     .await
-                    .map_err(|e| Fail::new(1, e.to_string()))?;
+                    .map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
                 declare_queue(&channel, queue).await.map_err(broker_fail)?;
                 channel
                     .confirm_select(ConfirmSelectOptions::default())
                     .await
-                    .map_err(|e| Fail::new(1, e.to_string()))?;
+                    .map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
                 for _ in 0..args.times {
                     for id in &ids {
                         let mut props = BasicProperties::default()
@@ -433,10 +435,18 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
                 let ack = js
                     .publish_with_headers(subject.clone(), headers, body.clone().into())
                     .await
-                    .map_err(|e| Fail::new(1, format!("nats: cannot publish to {subject:?}: {e}")))?
+                    .map_err(|e| {
+                        Fail::new(
+                            fail::OTHER,
+                            format!("nats: cannot publish to {subject:?}: {e}"),
+                        )
+                    })?
                     .await
                     .map_err(|e| {
-                        Fail::new(1, format!("nats: cannot publish to {subject:?}: {e}"))
+                        Fail::new(
+                            fail::OTHER,
+                            format!("nats: cannot publish to {subject:?}: {e}"),
+                        )
                     })?;
                 sent += 1;
                 if ack.duplicate {

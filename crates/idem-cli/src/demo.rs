@@ -1,4 +1,4 @@
-//! The seed's walkthrough, step by step, checked against the seed's figures.
+//! The walkthrough, step by step, checked against its expected figures.
 
 use idem::{
     Consumed, Error, ErrorKind, Idem, Key, MessageId, Operation, Outcome, Principal, Request,
@@ -9,18 +9,18 @@ use idem_conformance::{Balance, Bank, BankError};
 use serde_json::json;
 
 use crate::commands::positive;
-use crate::fail::Fail;
+use crate::fail::{self, Fail};
 
 fn diverged(step: u32, what: impl std::fmt::Display) -> Fail {
     Fail::new(
         1,
-        format!("the walkthrough diverged from the seed at step {step}: {what}"),
+        format!("the walkthrough diverged from the expected figures at step {step}: {what}"),
     )
 }
 
 pub(crate) async fn run<K: Bank>(url: &str) -> Result<(), Fail> {
     let ns = namespace("demo");
-    let bank = K::connect(url, Some(&ns)).await?;
+    let bank = fail::connect_within(url, K::connect(url, Some(&ns))).await?;
     let result = async {
         bank.setup().await?;
         steps(&bank).await
@@ -80,7 +80,7 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
     let r = debit("checkout-42", 101).await?;
     println!("4. debit(1, \"checkout-42\", 101): {}", show(&r));
     println!(
-        "   (the seed raises SQLSTATE 22023; idem returns Error::KeyReused before any effect)"
+        "   (refused with Error::KeyReused before any effect; a SQL function would raise SQLSTATE 22023)"
     );
     if !matches!(r, Err(Error::KeyReused { .. })) {
         return Err(diverged(4, show(&r)));
@@ -142,6 +142,6 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
     if empty.is_ok() || zero.is_ok() || bank.balance(1).await? != 950 {
         return Err(diverged(9, "invalid input was accepted"));
     }
-    println!("the walkthrough matches the seed: 900, 900, rejection, 950");
+    println!("the walkthrough gave the expected figures: 900, 900, rejection, 950");
     Ok(())
 }

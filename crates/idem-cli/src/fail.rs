@@ -1,8 +1,17 @@
 //! One clear line and a distinct exit code for every failure.
+//!
+//! Database failures get their exit code from the error's kind, which every engine
+//! decides from its own error code, so the same failure exits with the same code on
+//! every engine.
+
+use std::future::Future;
+use std::time::Duration;
 
 use idem::{DbError, Error, ErrorKind, InvalidInput};
 use idem_conformance::BankError;
 
+/// Exit code for a database or other error not listed below.
+pub(crate) const OTHER: u8 = 1;
 /// Exit code for invalid input (clap uses it for usage errors too).
 pub(crate) const INVALID_INPUT: u8 = 2;
 /// Exit code for a key reused with a different request (or a message ID with a different payload).
@@ -13,6 +22,35 @@ pub(crate) const INSUFFICIENT: u8 = 4;
 pub(crate) const NO_ACCOUNT: u8 = 5;
 /// Exit code for a conformance check that found failures.
 pub(crate) const CHECK_FAILED: u8 = 6;
+/// Exit code for a refused, unreachable or lost connection, or a server that does not speak
+/// the URL's protocol.
+pub(crate) const CANNOT_CONNECT: u8 = 7;
+/// Exit code for a server that did not answer within [`CONNECT_TIMEOUT`].
+pub(crate) const TIMED_OUT: u8 = 8;
+/// Exit code for refused credentials.
+pub(crate) const AUTHENTICATION: u8 = 9;
+/// Exit code for a database that does not exist or cannot be opened.
+pub(crate) const MISSING_DATABASE: u8 = 10;
+
+/// How long a command waits for the database to accept a connection.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The exit codes, for `idem --help`.
+pub(crate) const EXIT_CODES_HELP: &str = "\
+Exit codes (the same on every engine):
+  0   success
+  1   other database error
+  2   invalid input or usage
+  3   key reused with a different request (or message ID with a different payload)
+  4   insufficient balance
+  5   no such account
+  6   conformance checks failed
+  7   cannot connect: refused, unreachable, lost, or not that engine's protocol on this port
+  8   no answer from the server within 10 s
+  9   authentication failed (PostgreSQL 28P01/28000, MySQL 1045/1044/1698,
+      SQL Server 18456, Oracle ORA-01017)
+  10  database not found (PostgreSQL 3D000, MySQL 1049, SQL Server 4060,
+      Oracle ORA-12514/ORA-12505, SQLite: the file cannot be opened)";
 
 /// A failure: the message printed after `error: ` and the exit code.
 #[derive(Debug)]
@@ -30,14 +68,42 @@ impl Fail {
     }
 }
 
+/// The exit code of a database error, from its kind.
+pub(crate) fn code_of(e: &DbError) -> u8 {
+    match e.kind() {
+        ErrorKind::Configuration => INVALID_INPUT,
+        ErrorKind::Authentication => AUTHENTICATION,
+        ErrorKind::MissingDatabase => MISSING_DATABASE,
+        // SQLite has no server: failing to connect is failing to open the file.
+        ErrorKind::Connection if e.engine() == "sqlite" => MISSING_DATABASE,
+        ErrorKind::Connection => CANNOT_CONNECT,
+        _ => OTHER,
+    }
+}
+
+/// Runs `connect`, giving up with [`TIMED_OUT`] after [`CONNECT_TIMEOUT`]: a server that
+/// never answers (another engine's port, a firewall dropping packets) fails fast.
+pub(crate) async fn connect_within<T>(
+    url: &str,
+    connect: impl Future<Output = Result<T, DbError>>,
+) -> Result<T, Fail> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+        Ok(connected) => connected.map_err(Fail::from),
+        Err(_) => Err(Fail::new(
+            TIMED_OUT,
+            format!(
+                "no answer from {} within {} s: check that the server is up and that the \
+                 port belongs to the engine the URL names",
+                idem::redact(url),
+                CONNECT_TIMEOUT.as_secs()
+            ),
+        )),
+    }
+}
+
 impl From<DbError> for Fail {
     fn from(e: DbError) -> Self {
-        let code = if e.kind() == ErrorKind::Configuration {
-            INVALID_INPUT
-        } else {
-            1
-        };
-        Self::new(code, e.to_string())
+        Self::new(code_of(&e), e.to_string())
     }
 }
 
@@ -54,7 +120,8 @@ impl From<Error<BankError>> for Fail {
             Error::KeyReused { .. } | Error::PayloadMismatch { .. } => KEY_REUSED,
             Error::Effect(BankError::Insufficient) => INSUFFICIENT,
             Error::Effect(BankError::NoAccount(_)) => NO_ACCOUNT,
-            _ => 1,
+            Error::Backend(db) => code_of(db),
+            _ => OTHER,
         };
         let message = match &e {
             Error::Effect(BankError::NoAccount(id)) => {
@@ -68,6 +135,32 @@ impl From<Error<BankError>> for Fail {
 
 impl From<std::io::Error> for Fail {
     fn from(e: std::io::Error) -> Self {
-        Self::new(1, e.to_string())
+        Self::new(OTHER, e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kinds_map_to_codes() {
+        let code = |engine, kind| code_of(&DbError::new(engine, kind, "x"));
+        assert_eq!(code("postgres", ErrorKind::Authentication), AUTHENTICATION);
+        assert_eq!(code("mysql", ErrorKind::MissingDatabase), MISSING_DATABASE);
+        assert_eq!(code("mysql", ErrorKind::Connection), CANNOT_CONNECT);
+        assert_eq!(code("sqlite", ErrorKind::Connection), MISSING_DATABASE);
+        assert_eq!(code("oracle", ErrorKind::Configuration), INVALID_INPUT);
+        assert_eq!(code("mssql", ErrorKind::Deadlock), OTHER);
+        for c in [
+            OTHER,
+            INVALID_INPUT,
+            CANNOT_CONNECT,
+            TIMED_OUT,
+            AUTHENTICATION,
+        ] {
+            assert!(EXIT_CODES_HELP.contains(&format!("\n  {c} ")), "{c}");
+        }
+        assert!(EXIT_CODES_HELP.contains(&format!("\n  {MISSING_DATABASE}  ")));
     }
 }

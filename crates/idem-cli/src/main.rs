@@ -1,4 +1,4 @@
-//! `idem`: the seed's walkthrough, migrations, purges, conformance checks and benchmarks,
+//! `idem`: the walkthrough, migrations, purges, conformance checks and benchmarks,
 //! on an embedded SQLite by default and on any compiled-in engine by URL.
 
 mod bench;
@@ -18,17 +18,34 @@ pub(crate) use fail::Fail;
 /// The default database: a SQLite file in the current directory.
 const DEFAULT_URL: &str = "sqlite://idem.db";
 
+/// The URL a command that works on existing data (`check`, `purge`, `bench`) needs: given
+/// with `--url` or `IDEM_URL`, never the default, so that a forgotten URL does not
+/// create an empty `idem.db` in the current directory and report on it.
+fn explicit_url<'a>(url: Option<&'a str>, command: &str) -> Result<&'a str, Fail> {
+    url.ok_or_else(|| {
+        Fail::new(
+            fail::INVALID_INPUT,
+            format!(
+                "`idem {command}` needs the database it works on: pass --url (or set IDEM_URL), \
+                 for example --url postgres://user@host/db or --url sqlite://idem.db"
+            ),
+        )
+    })
+}
+
 #[derive(Debug, Parser)]
 #[command(
     name = "idem",
     version,
-    about = "Safe retries of database writes: idempotency records on five SQL engines"
+    about = "Safe retries of database writes: idempotency records on five SQL engines",
+    after_help = fail::EXIT_CODES_HELP
 )]
 struct Cli {
     /// Database URL: sqlite::memory:, sqlite://idem.db, sqlite:///abs/path.db,
-    /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://…
-    #[arg(long, global = true, env = "IDEM_URL", default_value = DEFAULT_URL)]
-    url: String,
+    /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://… [default: sqlite://idem.db,
+    /// except for check, purge and bench, which require it]
+    #[arg(long, global = true, env = "IDEM_URL")]
+    url: Option<String>,
 
     #[command(subcommand)]
     command: Command,
@@ -36,22 +53,25 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the seed's walkthrough (debit twice, reused key, duplicate insert, failed debit,
-    /// message consumer) in a private namespace that is removed afterwards.
+    /// Run the walkthrough (debit twice, reused key, duplicate insert, failed debit,
+    /// message consumer) in a private schema, database or file that is removed afterwards.
     Demo,
     /// Apply idem's migrations to the database.
     Migrate,
-    /// Run the conformance cases against the database and print what held and what was seen.
-    /// Each case creates and drops a private namespace (schema, database, file or user).
+    /// Run the conformance checks against the database and print what held and what was seen.
+    /// Each check creates and drops its own schema, database, file or user.
     Check {
         /// Also write the report as JSON (input for `idem docs`).
         #[arg(long)]
         json: Option<PathBuf>,
     },
-    /// Delete records older than a duration, in bounded batches.
+    /// Delete expired records in bounded batches. Each record expires by its own
+    /// operation's retention, set by the database clock when it was written, so one purge
+    /// is safe for every operation.
     Purge {
-        /// For example 24h, 7d, 90m, 30s, 500ms. Never less than the retention you promise.
-        #[arg(long, value_parser = commands::parse_duration)]
+        /// Also keep records written less than this long ago, expired or not (for example
+        /// 24h, 7d, 90m, 30s, 500ms). Default 0: every expired record goes.
+        #[arg(long, value_parser = commands::parse_duration, default_value = "0s")]
         older_than: std::time::Duration,
         /// Rows per DELETE statement.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
@@ -68,7 +88,7 @@ enum Command {
     },
     /// One idempotent debit: prints the JSON response; says on stderr whether it executed or
     /// replayed. Exit codes: 3 key reused with a different request, 4 insufficient balance,
-    /// 5 no such account, 2 invalid input.
+    /// 5 no such account, 2 invalid input (all codes: `idem --help`).
     Debit {
         /// The account to debit.
         #[arg(long)]
@@ -113,18 +133,19 @@ enum Command {
         #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         iterations: u32,
     },
-    /// Generate docs/engines.md from `idem check --json` reports.
+    /// Generate the engine comparison (docs/engines.md) from `idem check --json` reports.
     Docs {
         /// Report files written by `idem check --json`.
         #[arg(long = "report", required = true)]
         reports: Vec<PathBuf>,
-        /// Where to write the Markdown.
-        #[arg(long, default_value = "docs/engines.md")]
-        out: PathBuf,
+        /// Where to write the Markdown (the repository keeps it in docs/engines.md);
+        /// without it, the Markdown goes to standard output.
+        #[arg(long)]
+        out: Option<PathBuf>,
     },
 }
 
-/// Runs `$body` with `$K` bound to the fixture type of the URL's engine.
+/// Runs `$body` with `$K` bound to the test bank type of the URL's engine.
 macro_rules! with_bank {
     ($url:expr, $K:ident => $body:expr) => {{
         match idem::Engine::from_url($url)? {
@@ -160,14 +181,18 @@ macro_rules! with_bank {
 }
 
 async fn run(cli: Cli) -> Result<(), Fail> {
-    let url = cli.url.as_str();
+    let url = cli.url.as_deref().unwrap_or(DEFAULT_URL);
     match cli.command {
         Command::Demo => with_bank!(url, K => demo::run::<K>(url).await),
         Command::Migrate => commands::migrate(url).await,
         Command::Check { json } => {
+            let url = explicit_url(cli.url.as_deref(), "check")?;
             with_bank!(url, K => commands::check::<K>(url, json.as_deref()).await)
         }
-        Command::Purge { older_than, batch } => commands::purge(url, older_than, batch).await,
+        Command::Purge { older_than, batch } => {
+            let url = explicit_url(cli.url.as_deref(), "purge")?;
+            commands::purge(url, older_than, batch).await
+        }
         Command::Account { id, balance } => {
             with_bank!(url, K => commands::account::<K>(url, id, balance).await)
         }
@@ -194,9 +219,13 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         #[cfg(any(feature = "amqp", feature = "nats"))]
         Command::Publish(args) => consume::publish(args).await,
         Command::Bench { iterations } => {
-            with_bank!(url, K => bench::run::<K>(url, iterations).await)
+            let url = explicit_url(cli.url.as_deref(), "bench")?;
+            with_bank!(url, K => {
+                commands::probe::<K>(url).await?;
+                bench::run::<K>(url, iterations).await
+            })
         }
-        Command::Docs { reports, out } => commands::docs(&reports, &out),
+        Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
     }
 }
 

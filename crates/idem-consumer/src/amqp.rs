@@ -136,7 +136,11 @@ pub async fn declare_queue(channel: &Channel, queue: &str) -> Result<(), Consume
 pub async fn connect(url: &str) -> Result<Connection, ConsumerError> {
     Connection::connect(url, ConnectionProperties::default())
         .await
-        .map_err(broker(format!("connect to {}", redact(url))))
+        .map_err(|e| ConsumerError::Connect {
+            broker: "amqp",
+            target: redact(url),
+            source: e.into(),
+        })
 }
 
 fn dead_letter_properties(

@@ -10,6 +10,17 @@ pub enum ConsumerError {
     /// The configuration is unusable.
     #[error("invalid consumer configuration: {0}")]
     Config(String),
+    /// The broker could not be reached (refused, unreachable, bad credentials).
+    #[error("{broker}: cannot connect to {target}: {source}")]
+    Connect {
+        /// `"amqp"` or `"nats"`.
+        broker: &'static str,
+        /// The URL, password redacted.
+        target: String,
+        /// The client's error.
+        #[source]
+        source: BoxError,
+    },
     /// The broker refused an operation or the connection to it failed.
     #[error("{broker}: cannot {action}: {source}")]
     Broker {

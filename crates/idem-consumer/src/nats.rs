@@ -160,7 +160,11 @@ fn broker<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
 pub async fn connect(url: &str) -> Result<Context, ConsumerError> {
     let client = async_nats::connect(url)
         .await
-        .map_err(broker(format!("connect to {url}")))?;
+        .map_err(|e| ConsumerError::Connect {
+            broker: "nats",
+            target: url.to_owned(),
+            source: e.into(),
+        })?;
     Ok(jetstream::new(client))
 }
 

@@ -161,9 +161,22 @@ pub trait Backend: Send + Sync + 'static {
         end: Finish<'_>,
     ) -> impl Future<Output = Result<(), DbError>> + Send;
 
+    /// The engine's short name in spans and metric labels (`"sqlite"`, `"postgres"`,
+    /// `"mysql"`, `"mssql"`, `"oracle"`). The default takes it from the implementing
+    /// crate's name without its `idem_` prefix (`idem_sqlite::SqliteBackend` → `sqlite`).
+    fn engine(&self) -> &'static str {
+        engine_of_type(std::any::type_name::<Self>())
+    }
+
     /// Classifies a driver error found in an effect's error chain, by code, so that
     /// deadlocks and serialization failures inside the effect are retried too.
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind>;
+}
+
+/// `idem_sqlite::SqliteBackend` → `sqlite`; a path without the prefix keeps its crate name.
+fn engine_of_type(type_name: &'static str) -> &'static str {
+    let krate = type_name.split("::").next().unwrap_or(type_name);
+    krate.strip_prefix("idem_").unwrap_or(krate)
 }
 
 /// Schema and housekeeping, separate from the protocol.
@@ -181,4 +194,17 @@ pub trait Maintenance: Backend {
         older_than: Duration,
         limit: u32,
     ) -> impl Future<Output = Result<u64, DbError>> + Send;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::engine_of_type;
+
+    #[test]
+    fn engine_names_come_from_the_crate() {
+        assert_eq!(engine_of_type("idem_sqlite::SqliteBackend"), "sqlite");
+        assert_eq!(engine_of_type("idem_mssql::MssqlBackend"), "mssql");
+        assert_eq!(engine_of_type("my_crate::Backend"), "my_crate");
+        assert_eq!(engine_of_type("Local"), "Local");
+    }
 }

@@ -53,6 +53,12 @@ pub enum ErrorKind {
     Transient,
     /// The connection could not be made or was lost.
     Connection,
+    /// The server refused the credentials: an unknown user or a wrong password
+    /// (PostgreSQL 28P01/28000, MySQL 1045, SQL Server 18456, ORA-01017).
+    Authentication,
+    /// The database named in the URL does not exist or cannot be opened (PostgreSQL
+    /// 3D000, MySQL 1049, SQL Server 4060, ORA-12514, SQLite `SQLITE_CANTOPEN`).
+    MissingDatabase,
     /// The engine's client library is missing (Oracle's DPI-1047).
     ClientLibraryMissing,
     /// A stored record that breaks the protocol's invariants (an unfinished response
@@ -88,6 +94,8 @@ impl fmt::Display for ErrorKind {
             Self::LockTimeout => "lock wait timeout",
             Self::Transient => "transient conflict",
             Self::Connection => "connection error",
+            Self::Authentication => "authentication failed",
+            Self::MissingDatabase => "database not found",
             Self::ClientLibraryMissing => "client library missing",
             Self::CorruptRecord => "corrupt record",
             Self::Configuration => "configuration error",

@@ -18,6 +18,7 @@ mod effect;
 mod error;
 mod ident;
 mod migrate;
+pub mod observe;
 mod protocol;
 mod request;
 

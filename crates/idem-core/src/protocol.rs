@@ -9,6 +9,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
+use tracing::Instrument;
 
 use crate::backend::{
     Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table,
@@ -16,6 +17,7 @@ use crate::backend::{
 use crate::effect::{EffectError, find_in_chain};
 use crate::error::{DbError, Error, ErrorKind, InvalidInput};
 use crate::ident::{DEFAULT_RETENTION, Key, MessageId, Scope, Subscriber};
+use crate::observe::{self, Call, CallKind};
 use crate::request::Request;
 
 /// A boxed, sendable future: what an effect returns.
@@ -281,22 +283,26 @@ impl<B: Backend> Idem<B> {
         E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
     {
-        let done = self
-            .run_request::<R, Never, E, M, _>(scope, key, request, |tx| {
-                let fut = effect(tx);
-                Box::pin(async move { fut.await.map(Ok) })
-            })
-            .await?;
-        match done {
-            Done::Executed(Ok(r)) => Ok(Outcome::Executed(r)),
-            Done::Executed(Err(never)) => match never {},
-            Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
-                .map(Outcome::Replayed)
-                .map_err(Error::Decode),
-            Done::Replayed(Status::Rejected, text) => Err(Error::StoredRejection(
-                serde_json::from_str(&text).map_err(Error::Decode)?,
-            )),
-        }
+        let call = self.request_call(CallKind::Execute, scope, key);
+        let run = async move {
+            let done = self
+                .run_request::<R, Never, E, M, _>(scope, key, request, |tx| {
+                    let fut = effect(tx);
+                    Box::pin(async move { fut.await.map(Ok) })
+                })
+                .await?;
+            match done {
+                Done::Executed(Ok(r)) => Ok(Outcome::Executed(r)),
+                Done::Executed(Err(never)) => match never {},
+                Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
+                    .map(Outcome::Replayed)
+                    .map_err(Error::Decode),
+                Done::Replayed(Status::Rejected, text) => Err(Error::StoredRejection(
+                    serde_json::from_str(&text).map_err(Error::Decode)?,
+                )),
+            }
+        };
+        observed(call, run, Outcome::observed).await
     }
 
     /// Like [`Idem::execute`], with the explicit policy of storing final business
@@ -316,15 +322,19 @@ impl<B: Backend> Idem<B> {
         E: EffectError<M>,
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<R, J>, E>> + Send,
     {
-        match self.run_request(scope, key, request, effect).await? {
-            Done::Executed(r) => Ok(Outcome::Executed(r)),
-            Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
-                .map(|r| Outcome::Replayed(Ok(r)))
-                .map_err(Error::Decode),
-            Done::Replayed(Status::Rejected, text) => serde_json::from_str(&text)
-                .map(|j| Outcome::Replayed(Err(j)))
-                .map_err(Error::Decode),
-        }
+        let call = self.request_call(CallKind::ExecuteFinal, scope, key);
+        let run = async move {
+            match self.run_request(scope, key, request, effect).await? {
+                Done::Executed(r) => Ok(Outcome::Executed(r)),
+                Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
+                    .map(|r| Outcome::Replayed(Ok(r)))
+                    .map_err(Error::Decode),
+                Done::Replayed(Status::Rejected, text) => serde_json::from_str(&text)
+                    .map(|j| Outcome::Replayed(Err(j)))
+                    .map_err(Error::Decode),
+            }
+        };
+        observed(call, run, Outcome::observed).await
     }
 
     /// Applies a message's effect once per `(subscriber, message_id)`, recording the ID
@@ -332,6 +342,33 @@ impl<B: Backend> Idem<B> {
     /// `Ok`. With `payload`, a known ID carrying a different payload is refused with
     /// [`Error::PayloadMismatch`] (compared only when both deliveries carried one).
     pub async fn consume<R, E, M, F>(
+        &self,
+        subscriber: &Subscriber,
+        message_id: &MessageId,
+        payload: Option<&Request>,
+        effect: F,
+    ) -> Result<Consumed<R>, Error<E>>
+    where
+        R: Send + 'static,
+        E: EffectError<M>,
+        F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
+    {
+        let call = Call::new(
+            CallKind::Consume,
+            self.backend.engine(),
+            subscriber.as_str(),
+            None,
+            Some(message_id.as_str()),
+        );
+        let run = self.run_consume(subscriber, message_id, payload, effect);
+        observed(call, run, |c: &Consumed<R>| match c {
+            Consumed::Applied(_) => observe::Outcome::Executed,
+            Consumed::Duplicate => observe::Outcome::Replayed,
+        })
+        .await
+    }
+
+    async fn run_consume<R, E, M, F>(
         &self,
         subscriber: &Subscriber,
         message_id: &MessageId,
@@ -360,6 +397,7 @@ impl<B: Backend> Idem<B> {
         let mut attempt = 0;
         loop {
             attempt += 1;
+            observe::attempt(attempt);
             let step = async {
                 let tx = match self.backend.claim(&claim).await? {
                     Claimed::Found(stored) => {
@@ -436,6 +474,7 @@ impl<B: Backend> Idem<B> {
         attempt = 0;
         loop {
             attempt += 1;
+            observe::attempt(attempt);
             let step = async {
                 let tx = match self.backend.claim(&claim).await? {
                     Claimed::Found(stored) => return replay(&stored, request).map_err(Step::Fail),
@@ -538,18 +577,31 @@ impl<B: Backend> Idem<B> {
         })
     }
 
+    /// The observed call of a request.
+    fn request_call(&self, kind: CallKind, scope: &Scope, key: &Key) -> Call {
+        Call::new(
+            kind,
+            self.backend.engine(),
+            scope.principal.as_str(),
+            Some(scope.operation.as_str()),
+            Some(key.as_str()),
+        )
+    }
+
     /// Sleeps before the next attempt, or turns the step into the final error.
     async fn next_attempt<E>(&self, step: Step<E>, attempt: u32) -> Result<(), Error<E>> {
         match step {
             Step::Fail(e) => Err(e),
             Step::StoreRejection => Ok(()),
             Step::Retry(last) if attempt >= self.retry.max_attempts => {
+                observe::giving_up(attempt, last.kind());
                 Err(Error::RetriesExhausted {
                     attempts: attempt,
                     last,
                 })
             }
-            Step::Retry(_) => {
+            Step::Retry(last) => {
+                observe::retrying(self.backend.engine(), attempt, last.kind());
                 tokio::time::sleep(self.retry.backoff(attempt)).await;
                 Ok(())
             }
@@ -563,10 +615,45 @@ impl<B: Maintenance> Idem<B> {
         self.backend.migrate().await
     }
 
-    /// Deletes records older than `older_than` in batches of at most `batch` rows, each
-    /// its own statement, until none is left. Never pass less than the longest retention
-    /// you promise: a record inside its window is what an active retry needs.
+    /// Deletes expired records in batches of at most `batch` rows, each its own
+    /// statement, until none is left. A record expires by its own operation's retention,
+    /// set by the database clock when it was claimed, so one purge is safe for every
+    /// operation whatever its window. `older_than` additionally keeps records claimed less
+    /// than that long ago (pass `Duration::ZERO` to delete every expired record). A batch
+    /// that meets a busy database, a deadlock or a lock timeout is run again under the
+    /// retry policy ([`PurgeReport::retried`]).
     pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
+        self.purge_with_progress(older_than, batch, |_| {}).await
+    }
+
+    /// Like [`Idem::purge`], calling `progress` with the running totals after every
+    /// statement (for a progress display).
+    pub async fn purge_with_progress(
+        &self,
+        older_than: Duration,
+        batch: u32,
+        progress: impl FnMut(&PurgeReport) + Send,
+    ) -> Result<PurgeReport, DbError> {
+        let call = Call::new(CallKind::Purge, self.backend.engine(), "", None, None);
+        let result = self
+            .run_purge(older_than, batch, progress)
+            .instrument(call.span())
+            .await;
+        call.finish(match &result {
+            Ok(_) => observe::Outcome::Executed,
+            Err(e) if e.kind().is_retryable() => observe::Outcome::RetriesExhausted,
+            Err(e) if e.kind() == ErrorKind::Configuration => observe::Outcome::InvalidInput,
+            Err(_) => observe::Outcome::Error,
+        });
+        result
+    }
+
+    async fn run_purge(
+        &self,
+        older_than: Duration,
+        batch: u32,
+        mut progress: impl FnMut(&PurgeReport) + Send,
+    ) -> Result<PurgeReport, DbError> {
         if batch == 0 {
             return Err(DbError::new(
                 "idem",
@@ -584,9 +671,15 @@ impl<B: Maintenance> Idem<B> {
                         Ok(n) => break n,
                         Err(e) if e.kind().is_retryable() && attempt < self.retry.max_attempts => {
                             report.retried += 1;
+                            observe::retrying(self.backend.engine(), attempt, e.kind());
                             tokio::time::sleep(self.retry.backoff(attempt)).await;
                         }
-                        Err(e) => return Err(e),
+                        Err(e) => {
+                            if e.kind().is_retryable() {
+                                observe::giving_up(attempt, e.kind());
+                            }
+                            return Err(e);
+                        }
                     }
                 };
                 report.batches += 1;
@@ -594,6 +687,7 @@ impl<B: Maintenance> Idem<B> {
                     Table::Requests => report.requests += n,
                     Table::Messages => report.messages += n,
                 }
+                progress(&report);
                 if n < u64::from(batch) {
                     break;
                 }
@@ -601,6 +695,26 @@ impl<B: Maintenance> Idem<B> {
         }
         Ok(report)
     }
+}
+
+impl<R> Outcome<R> {
+    fn observed(&self) -> observe::Outcome {
+        match self {
+            Self::Executed(_) => observe::Outcome::Executed,
+            Self::Replayed(_) => observe::Outcome::Replayed,
+        }
+    }
+}
+
+/// Runs a call's future inside its span, then records how it ended.
+async fn observed<T, E>(
+    call: Call,
+    run: impl Future<Output = Result<T, Error<E>>>,
+    ok: impl Fn(&T) -> observe::Outcome,
+) -> Result<T, Error<E>> {
+    let result = run.instrument(call.span()).await;
+    call.finish_with(&result, ok);
+    result
 }
 
 /// Serializes the effect's response (or rejection) for storage. A value JSON cannot

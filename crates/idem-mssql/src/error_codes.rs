@@ -69,7 +69,9 @@ pub fn kind_of(number: u32) -> ErrorKind {
         | XTP_DEPENDENCY_FAILURE => ErrorKind::SerializationFailure,
         SERVICE_BUSY => ErrorKind::Busy,
         DATABASE_UNAVAILABLE | SERVICE_ERROR => ErrorKind::Connection,
-        LOGIN_FAILED | CANNOT_OPEN_DATABASE | SNAPSHOT_NOT_ALLOWED => ErrorKind::Configuration,
+        LOGIN_FAILED => ErrorKind::Authentication,
+        CANNOT_OPEN_DATABASE => ErrorKind::MissingDatabase,
+        SNAPSHOT_NOT_ALLOWED => ErrorKind::Configuration,
         _ => ErrorKind::Other,
     }
 }
@@ -137,7 +139,8 @@ mod tests {
         assert_eq!(kind_of(41301), ErrorKind::SerializationFailure);
         assert_eq!(kind_of(40501), ErrorKind::Busy);
         assert_eq!(kind_of(40613), ErrorKind::Connection);
-        assert_eq!(kind_of(18456), ErrorKind::Configuration);
+        assert_eq!(kind_of(18456), ErrorKind::Authentication);
+        assert_eq!(kind_of(4060), ErrorKind::MissingDatabase);
         assert_eq!(kind_of(3952), ErrorKind::Configuration);
         assert_eq!(
             kind_of(547),

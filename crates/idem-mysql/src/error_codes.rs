@@ -30,8 +30,12 @@ pub const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 pub const ER_NET_PACKET_TOO_LARGE: u16 = 1153;
 /// `ER_CON_COUNT_ERROR`: `max_connections` reached.
 pub const ER_CON_COUNT_ERROR: u16 = 1040;
+/// `ER_DBACCESS_DENIED_ERROR`: the user may not use the database named in the URL.
+pub const ER_DBACCESS_DENIED_ERROR: u16 = 1044;
 /// `ER_ACCESS_DENIED_ERROR`: bad user or password.
 pub const ER_ACCESS_DENIED_ERROR: u16 = 1045;
+/// `ER_ACCESS_DENIED_NO_PASSWORD_ERROR`: the user needs a password and gave none.
+pub const ER_ACCESS_DENIED_NO_PASSWORD_ERROR: u16 = 1698;
 /// `ER_BAD_DB_ERROR`: unknown database.
 pub const ER_BAD_DB_ERROR: u16 = 1049;
 /// `ER_SERVER_SHUTDOWN`: the server is shutting down.
@@ -59,7 +63,11 @@ pub fn kind_of(code: u16) -> ErrorKind {
         | ER_SERVER_SHUTDOWN
         | ER_CONNECTION_KILLED
         | ER_CLIENT_INTERACTION_TIMEOUT => ErrorKind::Connection,
-        ER_ACCESS_DENIED_ERROR | ER_BAD_DB_ERROR | ER_NO_SUCH_TABLE => ErrorKind::Configuration,
+        ER_ACCESS_DENIED_ERROR | ER_DBACCESS_DENIED_ERROR | ER_ACCESS_DENIED_NO_PASSWORD_ERROR => {
+            ErrorKind::Authentication
+        }
+        ER_BAD_DB_ERROR => ErrorKind::MissingDatabase,
+        ER_NO_SUCH_TABLE => ErrorKind::Configuration,
         _ => ErrorKind::Other,
     }
 }
@@ -160,6 +168,10 @@ mod tests {
         assert_eq!(kind_of(1040), ErrorKind::Connection);
         assert_eq!(kind_of(1927), ErrorKind::Connection);
         assert_eq!(kind_of(1146), ErrorKind::Configuration);
+        assert_eq!(kind_of(1045), ErrorKind::Authentication);
+        assert_eq!(kind_of(1044), ErrorKind::Authentication);
+        assert_eq!(kind_of(1698), ErrorKind::Authentication);
+        assert_eq!(kind_of(1049), ErrorKind::MissingDatabase);
         assert_eq!(
             kind_of(1452),
             ErrorKind::Other,

@@ -43,6 +43,11 @@ pub const NOT_CONNECTED: i32 = 3114;
 pub const CONNECTION_LOST_CONTACT: i32 = 3135;
 /// ORA-12541: no listener (nothing listens on the host and port).
 pub const NO_LISTENER: i32 = 12541;
+/// ORA-12514: the listener does not know the service named in the URL (the database
+/// is missing, or not registered yet).
+pub const UNKNOWN_SERVICE: i32 = 12514;
+/// ORA-12505: the listener does not know the SID named in the URL.
+pub const UNKNOWN_SID: i32 = 12505;
 
 /// ORA numbers that mean the connection could not be made or is gone. After one of
 /// these during a commit the outcome is unknown: retry with the same key to learn it.
@@ -66,8 +71,6 @@ pub const CONNECTION_CODES: &[i32] = &[
     3156,  // OCI call timed out
     12153, // TNS:not connected
     12170, // TNS:Connect timeout occurred
-    12505, // TNS:listener does not currently know of SID given in connect descriptor
-    12514, // TNS:listener does not currently know of service requested
     12516, // TNS:listener could not find available handler
     12518, // TNS:listener could not hand off client connection
     12520, // TNS:listener could not find available handler for requested type of server
@@ -117,7 +120,9 @@ pub fn kind_of(ora: i32) -> ErrorKind {
         CANNOT_SERIALIZE => ErrorKind::SerializationFailure,
         DEADLOCK => ErrorKind::Deadlock,
         RESOURCE_BUSY | WAIT_TIMEOUT | OBJECT_LOCK_TIMEOUT => ErrorKind::LockTimeout,
-        INVALID_LOGON | UNRESOLVED_CONNECT_IDENTIFIER => ErrorKind::Configuration,
+        INVALID_LOGON => ErrorKind::Authentication,
+        UNKNOWN_SERVICE | UNKNOWN_SID => ErrorKind::MissingDatabase,
+        UNRESOLVED_CONNECT_IDENTIFIER => ErrorKind::Configuration,
         c if CONNECTION_CODES.contains(&c) => ErrorKind::Connection,
         _ => ErrorKind::Other,
     }
@@ -209,10 +214,12 @@ mod tests {
         assert_eq!(kind_of(60), ErrorKind::Deadlock);
         assert_eq!(kind_of(54), ErrorKind::LockTimeout);
         assert_eq!(kind_of(30006), ErrorKind::LockTimeout);
-        for c in [3113, 3114, 3135, 12541, 12514, 12170, 28, 1012, 1089, 1092] {
+        for c in [3113, 3114, 3135, 12541, 12170, 28, 1012, 1089, 1092] {
             assert_eq!(kind_of(c), ErrorKind::Connection, "ORA-{c:05}");
         }
-        assert_eq!(kind_of(1017), ErrorKind::Configuration);
+        assert_eq!(kind_of(1017), ErrorKind::Authentication);
+        assert_eq!(kind_of(12514), ErrorKind::MissingDatabase);
+        assert_eq!(kind_of(12505), ErrorKind::MissingDatabase);
         assert_eq!(
             kind_of(2291),
             ErrorKind::Other,

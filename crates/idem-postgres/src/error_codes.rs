@@ -12,6 +12,12 @@ pub const DEADLOCK_DETECTED: &str = "40P01";
 pub const LOCK_NOT_AVAILABLE: &str = "55P03";
 /// `in_failed_sql_transaction`: a statement after an error in the same transaction.
 pub const IN_FAILED_SQL_TRANSACTION: &str = "25P02";
+/// `invalid_password`: the server refused the password.
+pub const INVALID_PASSWORD: &str = "28P01";
+/// `invalid_authorization_specification`: an unknown role, or no `pg_hba.conf` entry.
+pub const INVALID_AUTHORIZATION_SPECIFICATION: &str = "28000";
+/// `invalid_catalog_name`: the database named in the URL does not exist.
+pub const INVALID_CATALOG_NAME: &str = "3D000";
 /// The seed's "invalid parameter value" for a reused key.
 pub const INVALID_PARAMETER_VALUE: &str = "22023";
 
@@ -22,6 +28,8 @@ pub fn kind_of(sqlstate: &str) -> ErrorKind {
         SERIALIZATION_FAILURE => ErrorKind::SerializationFailure,
         DEADLOCK_DETECTED => ErrorKind::Deadlock,
         LOCK_NOT_AVAILABLE => ErrorKind::LockTimeout,
+        INVALID_PASSWORD | INVALID_AUTHORIZATION_SPECIFICATION => ErrorKind::Authentication,
+        INVALID_CATALOG_NAME => ErrorKind::MissingDatabase,
         s if s.starts_with("08") => ErrorKind::Connection,
         _ => ErrorKind::Other,
     }
@@ -31,8 +39,11 @@ pub fn kind_of(sqlstate: &str) -> ErrorKind {
 pub fn classify(e: &sqlx::Error) -> ErrorKind {
     match e {
         sqlx::Error::Database(d) => d.code().map_or(ErrorKind::Other, |c| kind_of(&c)),
+        // `Protocol`: the server answered with something that is not PostgreSQL's wire
+        // protocol (another engine's port, say).
         sqlx::Error::Io(_)
         | sqlx::Error::Tls(_)
+        | sqlx::Error::Protocol(_)
         | sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed => ErrorKind::Connection,
         sqlx::Error::Configuration(_) => ErrorKind::Configuration,
@@ -66,6 +77,13 @@ mod tests {
         assert_eq!(kind_of("40P01"), ErrorKind::Deadlock);
         assert_eq!(kind_of("55P03"), ErrorKind::LockTimeout);
         assert_eq!(kind_of("08006"), ErrorKind::Connection);
+        assert_eq!(kind_of("28P01"), ErrorKind::Authentication);
+        assert_eq!(kind_of("28000"), ErrorKind::Authentication);
+        assert_eq!(kind_of("3D000"), ErrorKind::MissingDatabase);
+        assert_eq!(
+            classify(&sqlx::Error::Protocol("unexpected message".into())),
+            ErrorKind::Connection
+        );
         assert_eq!(
             kind_of("23503"),
             ErrorKind::Other,

@@ -6,6 +6,8 @@ use idem_core::{DbError, ErrorKind};
 pub const SQLITE_BUSY: i32 = 5;
 /// A table is locked (shared cache).
 pub const SQLITE_LOCKED: i32 = 6;
+/// The database file cannot be opened (a missing directory, no permission).
+pub const SQLITE_CANTOPEN: i32 = 14;
 /// A constraint failed.
 pub const SQLITE_CONSTRAINT: i32 = 19;
 /// A DEFERRED transaction's read snapshot went stale before it could write.
@@ -19,6 +21,7 @@ pub const SQLITE_CONSTRAINT_UNIQUE: i32 = 2067;
 pub fn kind_of(extended_code: i32) -> ErrorKind {
     match extended_code {
         SQLITE_CONSTRAINT_PRIMARYKEY | SQLITE_CONSTRAINT_UNIQUE => ErrorKind::UniqueViolation,
+        c if c & 0xff == SQLITE_CANTOPEN => ErrorKind::MissingDatabase,
         c if c & 0xff == SQLITE_BUSY || c & 0xff == SQLITE_LOCKED => ErrorKind::Busy,
         _ => ErrorKind::Other,
     }
@@ -64,6 +67,7 @@ mod tests {
         assert_eq!(kind_of(SQLITE_BUSY), ErrorKind::Busy);
         assert_eq!(kind_of(SQLITE_BUSY_SNAPSHOT), ErrorKind::Busy);
         assert_eq!(kind_of(SQLITE_LOCKED), ErrorKind::Busy);
+        assert_eq!(kind_of(SQLITE_CANTOPEN), ErrorKind::MissingDatabase);
         assert_eq!(
             kind_of(SQLITE_CONSTRAINT),
             ErrorKind::Other,

@@ -209,7 +209,28 @@ impl AnyBackend {
         allow(unused_variables)
     )]
     pub async fn purge(&self, older_than: Duration, batch: u32) -> Result<PurgeReport, DbError> {
-        each!(self, b => Idem::new(b.clone()).purge(older_than, batch).await)
+        self.purge_with_progress(older_than, batch, |_| {}).await
+    }
+
+    /// Like [`AnyBackend::purge`], calling `progress` with the running totals after every
+    /// statement.
+    #[cfg_attr(
+        not(any(
+            feature = "sqlite",
+            feature = "postgres",
+            feature = "mysql",
+            feature = "mssql",
+            feature = "oracle"
+        )),
+        allow(unused_variables, unused_mut)
+    )]
+    pub async fn purge_with_progress(
+        &self,
+        older_than: Duration,
+        batch: u32,
+        mut progress: impl FnMut(&PurgeReport) + Send,
+    ) -> Result<PurgeReport, DbError> {
+        each!(self, b => Idem::new(b.clone()).purge_with_progress(older_than, batch, &mut progress).await)
     }
 }
 

@@ -1,0 +1,339 @@
+//! The `idem` binary as users run it: exit codes per failure on every live engine, the
+//! connect timeout on a wrong-protocol port, no stray `idem.db`, `idem docs` outside the
+//! repository, plain output when not on a terminal, and the help text.
+//!
+//! PostgreSQL and MariaDB/MySQL are required (`IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`, with
+//! the defaults of `ci/test.sh`); an unreachable server fails these tests.
+
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// A hang guard, not a timing assertion: far above the CLI's 10 s connect timeout.
+const HANG_GUARD: Duration = Duration::from_secs(90);
+
+fn postgres_url() -> String {
+    std::env::var("IDEM_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
+}
+
+fn mysql_url() -> String {
+    std::env::var("IDEM_MYSQL_URL").unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into())
+}
+
+/// `scheme://[user[:password]@]host:port/db` split into its parts (the test URLs' form).
+struct Parts {
+    scheme: String,
+    user: String,
+    host_port: String,
+    db: String,
+}
+
+fn parts(url: &str) -> Parts {
+    let (scheme, rest) = url.split_once("://").unwrap();
+    let (authority, db) = rest.split_once('/').unwrap_or((rest, ""));
+    let db = db.split('?').next().unwrap_or_default();
+    let (user, host_port) = match authority.rsplit_once('@') {
+        Some((userinfo, host_port)) => (userinfo.split(':').next().unwrap_or_default(), host_port),
+        None => ("", authority),
+    };
+    Parts {
+        scheme: scheme.into(),
+        user: user.into(),
+        host_port: host_port.into(),
+        db: db.into(),
+    }
+}
+
+/// Runs `idem` in `dir` without `IDEM_URL`, killing it if it outlives the hang guard.
+fn idem(dir: &Path, args: &[&str]) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(args)
+        .current_dir(dir)
+        .env_remove("IDEM_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > HANG_GUARD {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("idem {args:?} still ran after {HANG_GUARD:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `idem --url URL migrate` and checks the exit code and the one-line message.
+fn exits_with(dir: &Path, url: &str, code: i32, what: &str) {
+    let out = idem(dir, &["--url", url, "migrate"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(code),
+        "{what} ({url}): stdout {} stderr {stderr}",
+        text(&out.stdout)
+    );
+    assert!(
+        stderr.starts_with("error: ") && stderr.trim_end().lines().count() == 1,
+        "{what}: one line on stderr, got {stderr:?}"
+    );
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert!(
+        !stderr.contains("idem-wrong-password"),
+        "the password is never printed: {stderr}"
+    );
+}
+
+#[test]
+fn the_same_failure_exits_with_the_same_code_on_every_engine() {
+    let dir = tempfile_dir("codes");
+    let pg = parts(&postgres_url());
+    let my = parts(&mysql_url());
+
+    // 9: credentials refused. The PostgreSQL here trusts local users, so an unknown role
+    // (28000) stands for a refused login; MySQL refuses a wrong password (1045).
+    exits_with(
+        &dir,
+        &format!(
+            "{}://idem_no_such_role:idem-wrong-password@{}/{}",
+            pg.scheme, pg.host_port, pg.db
+        ),
+        9,
+        "PostgreSQL authentication",
+    );
+    exits_with(
+        &dir,
+        &format!(
+            "{}://{}:idem-wrong-password@{}/{}",
+            my.scheme, my.user, my.host_port, my.db
+        ),
+        9,
+        "MySQL authentication",
+    );
+
+    // 10: the database does not exist (or, for SQLite, cannot be opened).
+    exits_with(
+        &dir,
+        &format!(
+            "{}://{}@{}/idem_no_such_database",
+            pg.scheme, pg.user, pg.host_port
+        ),
+        10,
+        "PostgreSQL missing database",
+    );
+    exits_with(
+        &dir,
+        &format!(
+            "{}://{}@{}/idem_no_such_database",
+            my.scheme, my.user, my.host_port
+        ),
+        10,
+        "MySQL missing database",
+    );
+    let missing_dir = dir.join("no-such-directory").join("x.db");
+    exits_with(
+        &dir,
+        &format!("sqlite://{}", missing_dir.display()),
+        10,
+        "SQLite file that cannot be opened",
+    );
+
+    // 7: nothing listens on the port.
+    let closed = closed_port();
+    exits_with(
+        &dir,
+        &format!("postgres://postgres@127.0.0.1:{closed}/postgres"),
+        7,
+        "PostgreSQL refused",
+    );
+    exits_with(
+        &dir,
+        &format!("mysql://root@127.0.0.1:{closed}/test"),
+        7,
+        "MySQL refused",
+    );
+    assert_empty(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_wrong_protocol_port_fails_within_the_connect_timeout() {
+    let dir = tempfile_dir("protocol");
+    let pg = parts(&postgres_url());
+    let my = parts(&mysql_url());
+    // A MySQL client waits for a greeting that PostgreSQL never sends: the connect
+    // timeout ends it (8) instead of PostgreSQL's 60 s authentication timeout.
+    exits_with(
+        &dir,
+        &format!("mysql://root@{}/test", pg.host_port),
+        8,
+        "mysql:// on PostgreSQL's port",
+    );
+    // A PostgreSQL client gets MySQL's greeting: not its protocol, a connection failure (7).
+    exits_with(
+        &dir,
+        &format!("postgres://postgres@{}/postgres", my.host_port),
+        7,
+        "postgres:// on MySQL's port",
+    );
+    assert_empty(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn check_purge_and_bench_require_a_url_and_create_no_file() {
+    let dir = tempfile_dir("no-url");
+    for args in [
+        &["check"][..],
+        &["purge", "--older-than", "24h"][..],
+        &["bench", "--iterations", "1"][..],
+    ] {
+        let out = idem(&dir, args);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("--url") && stderr.contains("IDEM_URL"),
+            "{stderr}"
+        );
+        assert_empty(&dir);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn check_docs_and_purge_work_outside_the_repository_with_plain_output() {
+    let dir = tempfile_dir("sqlite");
+    let url = format!("sqlite://{}", dir.join("app.db").display());
+    let report = dir.join("report.json");
+
+    let out = idem(
+        &dir,
+        &["--url", &url, "check", "--json", report.to_str().unwrap()],
+    );
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{}", text(&out.stderr));
+    assert!(stdout.contains(" passed, 0 failed"), "{stdout}");
+    assert!(stdout.lines().filter(|l| l.starts_with("  pass ")).count() >= 10);
+    // Progress is drawn only on a terminal: piped output has no control sequences.
+    assert!(!out.stdout.contains(&0x1b) && !out.stderr.contains(&0x1b));
+    assert!(out.stderr.is_empty(), "{}", text(&out.stderr));
+
+    // `idem docs` from a directory that is not the repository: Markdown on stdout, or
+    // the file named by --out.
+    let elsewhere = tempfile_dir("docs");
+    let out = idem(&elsewhere, &["docs", "--report", report.to_str().unwrap()]);
+    let markdown = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        markdown.starts_with('#') && markdown.contains("SQLite"),
+        "{markdown}"
+    );
+    assert_empty(&elsewhere);
+    let out = idem(
+        &elsewhere,
+        &[
+            "docs",
+            "--report",
+            report.to_str().unwrap(),
+            "--out",
+            "engines.md",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert_eq!(
+        std::fs::read_to_string(elsewhere.join("engines.md")).unwrap(),
+        markdown
+    );
+
+    let out = idem(&dir, &["--url", &url, "migrate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let out = idem(&dir, &["--url", &url, "purge", "--older-than", "1h"]);
+    let stdout = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    assert!(
+        stdout.starts_with("deleted 0 request records and 0 processed messages"),
+        "{stdout}"
+    );
+    assert!(!out.stdout.contains(&0x1b) && out.stderr.is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&elsewhere);
+}
+
+#[test]
+fn help_lists_the_exit_codes_in_plain_words() {
+    let dir = tempfile_dir("help");
+    let out = idem(&dir, &["--help"]);
+    let help = text(&out.stdout);
+    assert_eq!(out.status.code(), Some(0));
+    for line in [
+        "Exit codes",
+        "  7   cannot connect",
+        "  8   no answer from the server within 10 s",
+        "  9   authentication failed",
+        "28P01",
+        "1045",
+        "18456",
+        "ORA-01017",
+        "  10  database not found",
+        "3D000",
+        "1049",
+        "4060",
+        "ORA-12514",
+    ] {
+        assert!(help.contains(line), "{line:?} missing in:\n{help}");
+    }
+    let mut all = help.clone();
+    for command in ["demo", "check", "purge", "bench", "docs", "debit"] {
+        let out = idem(&dir, &[command, "--help"]);
+        assert_eq!(out.status.code(), Some(0), "{command}");
+        all.push_str(&text(&out.stdout));
+    }
+    for jargon in ["seed", "fixture", "namespace"] {
+        assert!(!all.contains(jargon), "{jargon:?} in the help:\n{all}");
+    }
+    assert_empty(&dir);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A fresh private directory under the system's temporary directory.
+fn tempfile_dir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!(
+        "idem-cli-{name}-{}-{}",
+        std::process::id(),
+        unique_suffix()
+    ));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+fn unique_suffix() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos()
+}
+
+fn assert_empty(dir: &Path) {
+    let left: Vec<_> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "files left in {}: {left:?}", dir.display());
+}
+
+/// A local port nothing listens on: bound, then released.
+fn closed_port() -> u16 {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap().port()
+}
