@@ -75,6 +75,23 @@ for engine in sqlite postgres mysql mssql oracle; do
   esac
 done
 
+# The fault suite (tests/faults): sessions killed from a second connection and client
+# processes SIGKILLed mid-transaction, retried with the same key, invariant checked after
+# every run; and the least-privilege roles of migrations/<engine>/grants.sql. Bigger runs:
+# IDEM_FAULT_SCALE=20 (or `-- --scale 20`).
+export IDEM_FAULT_SCALE=${IDEM_FAULT_SCALE:-10}
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  step "fault suite: $engine (scale $IDEM_FAULT_SCALE)"
+  cargo test --locked -p idem-tests --all-features --test faults -- "$engine::"
+  if [ "$engine" != sqlite ]; then
+    step "least privilege: $engine writer and purger roles (grants.sql)"
+    cargo test --locked -p idem-tests --all-features --test least_privilege -- "$engine::"
+  fi
+done
+step "least privilege: every engine's grants.sql names existing, non-key columns (offline)"
+cargo test --locked -p idem-tests --all-features --test least_privilege -- grants_scripts
+
 if wants sqlite && wants postgres && wants mysql; then
   step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"
   cargo test --locked -p idem-tests --all-features --test hostile

@@ -65,13 +65,13 @@ pub(crate) async fn migrate(url: &str) -> Result<(), Fail> {
     Ok(())
 }
 
-pub(crate) async fn purge(url: &str, older_than: Duration, batch: u32) -> Result<(), Fail> {
+pub(crate) async fn purge(url: &str, older_than: Option<Duration>, batch: u32) -> Result<(), Fail> {
     let backend = connect_within(url, AnyBackend::connect(url)).await?;
     // Drawn on stderr, and only when it is a terminal: piped output stays plain.
     let spinner = ProgressBar::new_spinner().with_message("purging");
     spinner.enable_steady_tick(Duration::from_millis(120));
     let report = backend
-        .purge_with_progress(older_than, batch, |r| {
+        .purge_with_progress(older_than.unwrap_or(Duration::ZERO), batch, |r| {
             spinner.set_message(format!(
                 "deleted {} request records and {} processed messages so far",
                 r.requests, r.messages
@@ -80,8 +80,11 @@ pub(crate) async fn purge(url: &str, older_than: Duration, batch: u32) -> Result
         .await;
     spinner.finish_and_clear();
     let report = report?;
+    let kept = older_than.map_or(String::new(), |d| {
+        format!(" (records written less than {}s ago kept)", d.as_secs_f64())
+    });
     println!(
-        "deleted {} expired request records and {} expired processed messages (written at least {older_than:?} ago) in {} statements",
+        "deleted {} expired request records and {} expired processed messages in {} statements{kept}",
         report.requests, report.messages, report.batches
     );
     Ok(())

@@ -70,9 +70,9 @@ enum Command {
     /// is safe for every operation.
     Purge {
         /// Also keep records written less than this long ago, expired or not (for example
-        /// 24h, 7d, 90m, 30s, 500ms). Default 0: every expired record goes.
-        #[arg(long, value_parser = commands::parse_duration, default_value = "0s")]
-        older_than: std::time::Duration,
+        /// 24h, 7d, 90m, 30s, 500ms). Without it, every expired record goes.
+        #[arg(long, value_parser = commands::parse_duration)]
+        older_than: Option<std::time::Duration>,
         /// Rows per DELETE statement.
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
         batch: u32,

@@ -262,7 +262,7 @@ fn check_docs_and_purge_work_outside_the_repository_with_plain_output() {
     let stdout = text(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert!(
-        stdout.starts_with("deleted 0 request records and 0 processed messages"),
+        stdout.starts_with("deleted 0 expired request records and 0 expired processed messages"),
         "{stdout}"
     );
     assert!(!out.stdout.contains(&0x1b) && out.stderr.is_empty());
