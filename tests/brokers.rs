@@ -266,7 +266,8 @@ impl Topic {
                 let client = async_nats::connect(nats_url())
                     .await
                     .map_err(|e| fail(format!("NATS at {}: {e}", nats_url())))?;
-                let js = jetstream::new(client);
+                let mut js = jetstream::new(client);
+                js.set_timeout(idem::consumer::nats::REQUEST_TIMEOUT);
                 for (stream, subject) in [
                     (name.clone(), format!("{name}.in")),
                     (format!("{name}_DL"), format!("{name}.dead-letter")),

@@ -156,7 +156,8 @@ fn broker<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     move |e| ConsumerError::broker("nats", action, e)
 }
 
-/// Connects to `url` and returns its JetStream context.
+/// Connects to `url` and returns its JetStream context (requests wait up to
+/// [`REQUEST_TIMEOUT`]).
 pub async fn connect(url: &str) -> Result<Context, ConsumerError> {
     let client = async_nats::connect(url)
         .await
@@ -165,8 +166,14 @@ pub async fn connect(url: &str) -> Result<Context, ConsumerError> {
             target: url.to_owned(),
             source: e.into(),
         })?;
-    Ok(jetstream::new(client))
+    let mut js = jetstream::new(client);
+    js.set_timeout(REQUEST_TIMEOUT);
+    Ok(js)
 }
+
+/// How long a JetStream request (a publish acknowledgement, a confirmed `+ACK`) may take
+/// before it counts as failed: generous, so a loaded server is not mistaken for a lost one.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// The durable pull consumer `config.consumer` on `config.stream`, created when missing.
 pub async fn durable_consumer(
