@@ -2,8 +2,9 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), the broker consumer tests (RabbitMQ and NATS JetStream, required) on
-# each required engine, and the README's walkthrough on each required engine.
+# name otherwise), `idem serve` through a real HTTP client on each required engine, the broker
+# consumer tests (RabbitMQ and NATS JetStream, required) on each required engine, and the
+# README's walkthrough on each required engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -12,6 +13,8 @@ export IDEM_MYSQL_URL=${IDEM_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}
 export IDEM_AMQP_URL=${IDEM_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
 export IDEM_NATS_URL=${IDEM_NATS_URL:-nats://127.0.0.1:4222}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
+# A clean run gains nothing from incremental caches, which take gigabytes of disk.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # Which engines this run requires (the container matrix narrows it per job).
 IDEM_ENGINES=${IDEM_ENGINES:-"sqlite postgres mysql"}
 
@@ -91,6 +94,12 @@ for engine in sqlite postgres mysql; do
 done
 step "least privilege: every engine's grants.sql names existing, non-key columns (offline)"
 cargo test --locked -p idem-tests --all-features --test least_privilege -- grants_scripts
+
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  step "HTTP: idem serve through reqwest on $engine (docs/http.md)"
+  cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
+done
 
 if wants sqlite && wants postgres && wants mysql; then
   step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"

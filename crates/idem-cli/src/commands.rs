@@ -116,12 +116,11 @@ pub(crate) async fn account<K: Bank>(url: &str, id: i64, balance: Option<i64>) -
             }
             bank.set_balance(id, balance).await?;
         }
-        let balance = bank.balance(id).await.map_err(|e| match e.kind() {
-            idem::ErrorKind::Other => Fail::new(
+        let balance = bank.find_balance(id).await?.ok_or_else(|| {
+            Fail::new(
                 fail::NO_ACCOUNT,
                 format!("no account {id}: create it with --balance"),
-            ),
-            _ => Fail::from(e),
+            )
         })?;
         println!("{}", json!({ "account": id, "balance": balance }));
         Ok(())

@@ -7,6 +7,7 @@ mod commands;
 mod consume;
 mod demo;
 mod fail;
+mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -133,6 +134,28 @@ enum Command {
         #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..=100_000))]
         iterations: u32,
     },
+    /// Serve the demo bank over HTTP with Idempotency-Key (see docs/http.md): PUT/GET
+    /// /accounts/{id}, POST /accounts/{id}/debits (bearer principal), POST
+    /// /subscribers/{name}/messages/{message_id}, GET /openapi.json. Stops on SIGINT or
+    /// SIGTERM after in-flight requests finish.
+    Serve {
+        /// The address to listen on (port 0 picks a free one; the address is printed).
+        #[arg(long, default_value = "127.0.0.1:8080")]
+        listen: std::net::SocketAddr,
+        /// Work in a private schema, database or file of this name, created now and removed
+        /// at shutdown: for tests and throwaway demos. A lowercase letter, then lowercase
+        /// letters, digits or `_`.
+        #[arg(long, value_name = "NAME")]
+        namespace: Option<String>,
+        /// How long a request waits for a concurrent request with the same key before
+        /// answering 409 with Retry-After.
+        #[arg(long, default_value = "5s", value_parser = commands::parse_duration)]
+        wait_timeout: std::time::Duration,
+        /// Test aid: hold each debit's transaction open this long after its SQL ran
+        /// (to show 409 for a concurrent retry, or a client disconnecting mid-request).
+        #[arg(long, value_parser = commands::parse_duration)]
+        debit_delay: Option<std::time::Duration>,
+    },
     /// Generate the engine comparison (docs/engines.md) from `idem check --json` reports.
     Docs {
         /// Report files written by `idem check --json`.
@@ -224,6 +247,20 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 commands::probe::<K>(url).await?;
                 bench::run::<K>(url, iterations).await
             })
+        }
+        Command::Serve {
+            listen,
+            namespace,
+            wait_timeout,
+            debit_delay,
+        } => {
+            let options = serve::Options {
+                listen,
+                namespace,
+                wait: wait_timeout,
+                debit_delay,
+            };
+            with_bank!(url, K => serve::run::<K>(url, options).await)
         }
         Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
     }

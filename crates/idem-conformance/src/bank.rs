@@ -89,6 +89,12 @@ pub trait Bank: Sized + Send + Sync + 'static {
     /// Reads a balance from a session of its own (outside any idem transaction).
     fn balance(&self, account: i64) -> impl Future<Output = Result<i64, DbError>> + Send;
 
+    /// Like [`Bank::balance`], with `None` for an account that does not exist.
+    fn find_balance(
+        &self,
+        account: i64,
+    ) -> impl Future<Output = Result<Option<i64>, DbError>> + Send;
+
     /// The effect: debits `amount` in the idem transaction, refusing to go negative.
     fn debit(
         tx: &mut <Self::B as Backend>::Tx,

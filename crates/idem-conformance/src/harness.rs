@@ -244,6 +244,9 @@ impl Bank for NoBank {
     async fn balance(&self, _: i64) -> Result<i64, DbError> {
         match *self {}
     }
+    async fn find_balance(&self, _: i64) -> Result<Option<i64>, DbError> {
+        match *self {}
+    }
     fn debit(tx: &mut NeverBackend, _: i64, _: i64) -> BoxFuture<'_, Result<Balance, BankError>> {
         match *tx {}
     }

@@ -245,6 +245,27 @@ impl Bank for MssqlBank {
             .ok_or_else(|| DbError::new("mssql", ErrorKind::Other, format!("no account {account}")))
     }
 
+    async fn find_balance(&self, account: i64) -> Result<Option<i64>, DbError> {
+        self.backend
+            .interact(move |c| {
+                Box::pin(async move {
+                    let row = c
+                        .query(
+                            "SELECT balance FROM idem_demo_account WHERE account_id = @P1",
+                            &[&account],
+                        )
+                        .await?
+                        .into_row()
+                        .await?;
+                    match row {
+                        Some(row) => row.try_get::<i64, _>(0),
+                        None => Ok(None),
+                    }
+                })
+            })
+            .await
+    }
+
     fn debit(
         tx: &mut MssqlTx,
         account: i64,

@@ -204,6 +204,26 @@ impl Bank for MysqlBank {
         }
     }
 
+    async fn find_balance(&self, account: i64) -> Result<Option<i64>, DbError> {
+        let mut conn = self.backend.pool().get_conn().await.map_err(db_error)?;
+        let row: Option<Row> = conn
+            .exec_first(
+                "SELECT balance FROM idem_demo_account WHERE account_id = ?",
+                (account,),
+            )
+            .await
+            .map_err(db_error)?;
+        match row.map(|mut r| r.take_opt::<i64, usize>(0)) {
+            None => Ok(None),
+            Some(Some(Ok(balance))) => Ok(Some(balance)),
+            Some(_) => Err(DbError::new(
+                "mysql",
+                ErrorKind::Other,
+                "balance is not an integer",
+            )),
+        }
+    }
+
     fn debit(
         tx: &mut MysqlTx,
         account: i64,

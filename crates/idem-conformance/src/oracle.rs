@@ -243,6 +243,21 @@ impl Bank for OracleBank {
             .await
     }
 
+    async fn find_balance(&self, account: i64) -> Result<Option<i64>, DbError> {
+        self.backend
+            .interact(move |c| {
+                match c.query_row_as::<i64>(
+                    "SELECT balance FROM idem_demo_account WHERE account_id = :1",
+                    &[&account],
+                ) {
+                    Ok(balance) => Ok(Some(balance)),
+                    Err(e) if e.kind() == idem::oracle::oracle::ErrorKind::NoDataFound => Ok(None),
+                    Err(e) => Err(e),
+                }
+            })
+            .await
+    }
+
     fn debit(
         tx: &mut OracleTx,
         account: i64,

@@ -147,6 +147,14 @@ impl Bank for PgBank {
             .map_err(db_error)
     }
 
+    async fn find_balance(&self, account: i64) -> Result<Option<i64>, DbError> {
+        sqlx::query_scalar("SELECT balance FROM idem_demo_account WHERE account_id = $1")
+            .bind(account)
+            .fetch_optional(self.backend.pool())
+            .await
+            .map_err(db_error)
+    }
+
     fn debit(
         tx: &mut PgTx,
         account: i64,

@@ -141,6 +141,19 @@ impl Bank for SqliteBank {
             .await
     }
 
+    async fn find_balance(&self, account: i64) -> Result<Option<i64>, DbError> {
+        self.backend
+            .interact(move |c| {
+                c.query_row(
+                    "SELECT balance FROM idem_demo_account WHERE account_id = ?1",
+                    [account],
+                    |r| r.get(0),
+                )
+                .optional()
+            })
+            .await
+    }
+
     fn debit(
         tx: &mut SqliteTx,
         account: i64,

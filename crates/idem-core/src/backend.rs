@@ -174,7 +174,7 @@ pub trait Backend: Send + Sync + 'static {
 }
 
 /// `idem_sqlite::SqliteBackend` → `sqlite`; a path without the prefix keeps its crate name.
-fn engine_of_type(type_name: &'static str) -> &'static str {
+pub(crate) fn engine_of_type(type_name: &'static str) -> &'static str {
     let krate = type_name.split("::").next().unwrap_or(type_name);
     krate.strip_prefix("idem_").unwrap_or(krate)
 }

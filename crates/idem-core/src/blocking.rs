@@ -1,36 +1,74 @@
-//! A small connection pool for **blocking** drivers (rusqlite, the `oracle` crate),
-//! shared by the backends that wrap them.
+//! The connection pool of the backends on **blocking** drivers (rusqlite, the `oracle`
+//! crate): [deadpool](https://docs.rs/deadpool)'s managed pool, with each driver call on
+//! tokio's blocking pool.
 //!
-//! Every driver call runs on tokio's blocking pool ([`tokio::task::spawn_blocking`]),
-//! never on an async worker thread: a [`Lease`] moves its connection there for each
-//! [`Lease::run`] and takes it back afterwards. The pool:
+//! deadpool does the pooling: a semaphore bounds the connections, idle ones wait in a
+//! queue, acquisition is bounded by a wait timeout ([`PoolOptions::acquire_timeout`]),
+//! and a connection is checked by `recycle` at its next checkout, never in `Drop`. This
+//! module adds only what a blocking driver needs around it:
 //!
-//! - opens connections lazily (on the blocking pool), up to `max_size` at a time, and
-//!   reuses idle ones;
-//! - bounds concurrent leases with a semaphore: a lease holds one permit until its
-//!   connection is back in the idle list or closed;
-//! - gives a connection back on drop of its lease: as it is when it has no open
-//!   transaction and [`Manager::reusable`] agrees; otherwise, on the blocking pool,
-//!   after [`Manager::reset`] (rolling the transaction back) if that succeeds, or else
-//!   through [`Manager::close`] (a round trip is never made on an async worker);
-//! - re-raises a panic of the closure given to [`Lease::run`] (the connection is lost
-//!   with it, and the lease's permit is released when the lease is dropped);
-//! - closes ([`BlockingPool::close`]) by waiting for every lease to come back, then
-//!   closing the idle connections; later leases fail with "connection pool closed".
+//! - every driver call, opening included, runs on [`tokio::task::spawn_blocking`], never on
+//!   an async worker thread: a [`Lease`] hands its connection to the blocking pool for
+//!   each [`Lease::run`];
+//! - a connection left inside a transaction (a cancelled call, a panicking effect, an
+//!   error path) is rolled back by [`Manager::reset`] at its next checkout (on the
+//!   blocking pool), and thrown away when that fails or the session is not
+//!   [`reusable`](Manager::reusable);
+//! - returning a lease does no I/O: whether the connection is clean is noted after each
+//!   `run`, on the blocking thread, and only a connection that is not clean costs a
+//!   round trip, at the next checkout;
+//! - a panic of the closure given to [`Lease::run`] is re-raised, and the connection it
+//!   panicked on is never reused;
+//! - [`BlockingPool::close`] waits for every lease to come back; later leases fail with
+//!   "connection pool closed".
 //!
-//! The engine-specific parts (how to open a connection, whether it is inside a
-//! transaction, whether it still works, how to roll it back and close it) are the
-//! hooks of the [`Manager`] trait.
+//! Why not deadpool-sync's `SyncWrapper`: its `Drop` calls `spawn_blocking(..).unwrap()`,
+//! which panics when the last clone of a backend is dropped outside a Tokio runtime, and
+//! its constructor panics when opening panics; the [`Blocking`] wrapper here drops the
+//! connection inline when no runtime exists and never panics in `Drop`.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use deadpool::Runtime;
+use deadpool::managed::{self, Metrics, Object, Pool, PoolError, RecycleError, RecycleResult};
 
 use crate::error::{DbError, ErrorKind};
 
-/// The per-driver hooks of a [`BlockingPool`]: opening, inspecting, resetting and
-/// closing one kind of blocking connection.
+/// How long a checkout waits for a free connection by default.
+pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The two pool settings every engine takes under the same names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolOptions {
+    /// The most connections open at once (at least 1).
+    pub max_connections: usize,
+    /// How long a checkout waits for a free connection before it fails with
+    /// [`ErrorKind::Connection`].
+    pub acquire_timeout: Duration,
+}
+
+impl PoolOptions {
+    /// `max_connections` connections, waited for at most [`DEFAULT_ACQUIRE_TIMEOUT`].
+    pub const fn new(max_connections: usize) -> Self {
+        Self {
+            max_connections,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+        }
+    }
+
+    /// Sets [`PoolOptions::acquire_timeout`].
+    #[must_use]
+    pub const fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        self.acquire_timeout = timeout;
+        self
+    }
+}
+
+/// The per-driver knowledge of a [`BlockingPool`]: opening a connection and telling
+/// whether it can be reused.
 ///
 /// A manager is shared by the pool and its leases (behind an `Arc`), so it also holds
 /// whatever opening a connection needs (a path, credentials, timeouts).
@@ -44,243 +82,297 @@ pub trait Manager: Send + Sync + 'static {
     /// Opens a connection. Runs on the blocking pool.
     fn open(&self) -> Result<Self::Connection, DbError>;
 
-    /// Whether `conn` has an open transaction. Runs on the blocking pool after every
-    /// [`Lease::run`]; the answer decides how the connection is given back.
+    /// Whether `conn` has an open transaction (a client-side check, no round trip). Runs
+    /// on the blocking pool after every [`Lease::run`].
     fn in_transaction(&self, conn: &Self::Connection) -> bool;
 
-    /// Whether `conn` may go back to the idle list (a health check). Called when a lease
-    /// is dropped, possibly on an async worker thread, so it must not make a round trip.
-    /// `true` by default.
+    /// Whether `conn` may be reused (a client-side health check, no round trip). Runs on
+    /// the blocking pool after every [`Lease::run`]. `true` by default.
     fn reusable(&self, _conn: &Self::Connection) -> bool {
         true
     }
 
     /// Ends the transaction a lease left open (a rollback), so the connection can be
-    /// reused; `false` when that failed or is not supported, and the connection is then
-    /// closed instead. Runs on the blocking pool (inline when no tokio runtime exists).
-    /// The default returns `false`: a connection left inside a transaction is closed.
+    /// reused; `false` when that failed, and the connection is then thrown away (the
+    /// driver closes it on drop, which rolls back on the server). Runs on the blocking
+    /// pool at the connection's next checkout. The default returns `false`.
     fn reset(&self, _conn: &Self::Connection) -> bool {
         false
     }
+}
 
-    /// Closes a connection that is not reused, or an idle one when the pool closes. Runs
-    /// on the blocking pool (inline when no tokio runtime exists). Drops it by default.
-    fn close(&self, conn: Self::Connection) {
-        drop(conn);
+/// A blocking connection behind a mutex, used only on tokio's blocking pool.
+pub struct Blocking<C: Send + 'static> {
+    conn: Arc<Mutex<Option<C>>>,
+    /// No transaction open and healthy, as of the end of the last call.
+    clean: Arc<AtomicBool>,
+}
+
+impl<C: Send + 'static> fmt::Debug for Blocking<C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Blocking")
+            .field("clean", &self.clean.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 
-struct Shared<M: Manager> {
-    manager: M,
-    idle: Mutex<Vec<M::Connection>>,
-    permits: Arc<Semaphore>,
-    max_size: usize,
+impl<C: Send + 'static> Blocking<C> {
+    /// Runs `f` on the blocking pool; `Ok(None)` when an earlier closure panicked on
+    /// this connection (it is then never reused).
+    async fn interact<T, F>(&self, f: F) -> Result<Option<T>, tokio::task::JoinError>
+    where
+        F: FnOnce(&C, &AtomicBool) -> T + Send + 'static,
+        T: Send + 'static,
+    {
+        let (conn, clean) = (Arc::clone(&self.conn), Arc::clone(&self.clean));
+        tokio::task::spawn_blocking(move || {
+            // A poisoned lock: a closure panicked while it held the connection.
+            let guard = conn.lock().ok()?;
+            let conn = guard.as_ref()?;
+            Some(f(conn, &clean))
+        })
+        .await
+    }
 }
 
-impl<M: Manager> Shared<M> {
-    /// Puts a connection back in the idle list (dropped if the list is poisoned).
-    fn push_idle(&self, conn: M::Connection) {
-        if let Ok(mut idle) = self.idle.lock() {
-            idle.push(conn);
+impl<C: Send + 'static> Drop for Blocking<C> {
+    /// Closes the connection on the blocking pool (inline outside a runtime); waits
+    /// there for a call still running on it. No I/O on the dropping thread.
+    fn drop(&mut self) {
+        let conn = Arc::clone(&self.conn);
+        let close = move || {
+            let taken = match conn.lock() {
+                Ok(mut guard) => guard.take(),
+                Err(poisoned) => poisoned.into_inner().take(),
+            };
+            drop(taken);
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(close)),
+            Err(_) => close(),
+        }
+    }
+}
+
+/// deadpool's view of a [`Manager`].
+struct Adapter<M: Manager>(Arc<M>);
+
+impl<M: Manager> managed::Manager for Adapter<M> {
+    type Type = Blocking<M::Connection>;
+    type Error = DbError;
+
+    async fn create(&self) -> Result<Self::Type, DbError> {
+        let manager = Arc::clone(&self.0);
+        match tokio::task::spawn_blocking(move || manager.open()).await {
+            Ok(Ok(conn)) => Ok(Blocking {
+                conn: Arc::new(Mutex::new(Some(conn))),
+                clean: Arc::new(AtomicBool::new(true)),
+            }),
+            Ok(Err(e)) => Err(e),
+            Err(e) => Err(DbError::new(
+                M::ENGINE,
+                ErrorKind::Other,
+                format!("opening a connection failed: {e}"),
+            )),
         }
     }
 
-    /// Gives back a connection that needs a round trip first: reset when a transaction
-    /// is open, closed when it cannot be reused. Blocking.
-    fn give_back_blocking(&self, conn: M::Connection, in_transaction: bool) {
-        let reusable =
-            self.manager.reusable(&conn) && (!in_transaction || self.manager.reset(&conn));
-        if reusable {
-            self.push_idle(conn);
-        } else {
-            self.manager.close(conn);
+    async fn recycle(&self, obj: &mut Self::Type, _: &Metrics) -> RecycleResult<DbError> {
+        if obj.clean.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let manager = Arc::clone(&self.0);
+        let reset = obj
+            .interact(move |conn, clean| {
+                let ok = manager.reusable(conn)
+                    && (!manager.in_transaction(conn) || manager.reset(conn));
+                clean.store(ok, Ordering::Release);
+                ok
+            })
+            .await;
+        match reset {
+            Ok(Some(true)) => Ok(()),
+            _ => Err(RecycleError::message(
+                "left inside a transaction that could not be rolled back, broken, or lost to a                  panic",
+            )),
         }
     }
 }
 
-/// A pool of up to `max_size` blocking connections, opened lazily by a [`Manager`].
+/// A pool of up to `max_connections` blocking connections, opened lazily by a
+/// [`Manager`].
 ///
 /// Cloning is cheap and shares the pool.
 pub struct BlockingPool<M: Manager> {
-    shared: Arc<Shared<M>>,
+    pool: Pool<Adapter<M>>,
+    manager: Arc<M>,
+    options: PoolOptions,
 }
 
 impl<M: Manager> Clone for BlockingPool<M> {
     fn clone(&self) -> Self {
         Self {
-            shared: Arc::clone(&self.shared),
+            pool: self.pool.clone(),
+            manager: Arc::clone(&self.manager),
+            options: self.options,
         }
     }
 }
 
 impl<M: Manager> fmt::Debug for BlockingPool<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.pool.status();
         f.debug_struct("BlockingPool")
             .field("engine", &M::ENGINE)
-            .field("max_size", &self.shared.max_size)
-            .field("available", &self.shared.permits.available_permits())
+            .field("max_size", &status.max_size)
+            .field("size", &status.size)
+            .field("available", &status.available)
+            .field("acquire_timeout", &self.options.acquire_timeout)
             .finish_non_exhaustive()
     }
 }
 
+/// The error of a failed checkout, named for the engine.
+fn checkout_error<M: Manager>(e: PoolError<DbError>, timeout: Duration) -> DbError {
+    match e {
+        PoolError::Backend(e) => e,
+        PoolError::Timeout(_) => DbError::new(
+            M::ENGINE,
+            ErrorKind::Connection,
+            format!(
+                "no {} connection became free within the acquire timeout ({timeout:?}); raise                  max_connections or acquire_timeout, or hold connections for less time",
+                M::ENGINE
+            ),
+        ),
+        PoolError::Closed => DbError::new(M::ENGINE, ErrorKind::Other, "connection pool closed"),
+        other => DbError::new(
+            M::ENGINE,
+            ErrorKind::Other,
+            format!("connection pool: {other}"),
+        ),
+    }
+}
+
 impl<M: Manager> BlockingPool<M> {
-    /// A pool of at most `max_size` connections (clamped to `1 ..= u32::MAX`). Nothing
-    /// is opened until the first [`lease`](Self::lease).
-    pub fn new(manager: M, max_size: usize) -> Self {
-        let max_size = max_size
-            .clamp(1, Semaphore::MAX_PERMITS)
-            .min(usize::try_from(u32::MAX).unwrap_or(usize::MAX));
-        Self {
-            shared: Arc::new(Shared {
-                manager,
-                idle: Mutex::new(Vec::new()),
-                permits: Arc::new(Semaphore::new(max_size)),
-                max_size,
-            }),
-        }
+    /// A pool of at most `options.max_connections` connections (at least 1). Nothing is
+    /// opened until the first [`lease`](Self::lease).
+    pub fn new(manager: M, options: PoolOptions) -> Result<Self, DbError> {
+        let options = PoolOptions {
+            max_connections: options.max_connections.max(1),
+            ..options
+        };
+        let manager = Arc::new(manager);
+        let pool = Pool::builder(Adapter(Arc::clone(&manager)))
+            .max_size(options.max_connections)
+            .runtime(Runtime::Tokio1)
+            .wait_timeout(Some(options.acquire_timeout))
+            .build()
+            .map_err(|e| {
+                DbError::new(
+                    M::ENGINE,
+                    ErrorKind::Configuration,
+                    format!("cannot build the connection pool: {e}"),
+                )
+            })?;
+        Ok(Self {
+            pool,
+            manager,
+            options,
+        })
     }
 
     /// The manager this pool was built with.
     pub fn manager(&self) -> &M {
-        &self.shared.manager
+        &self.manager
     }
 
     /// The most connections leased at once.
     pub fn max_size(&self) -> usize {
-        self.shared.max_size
+        self.options.max_connections
     }
 
-    /// Waits for a free slot, then takes an idle connection or opens one on the
-    /// blocking pool.
+    /// The options this pool was built with.
+    pub fn options(&self) -> PoolOptions {
+        self.options
+    }
+
+    /// Waits (at most the acquire timeout) for a free slot, then takes an idle
+    /// connection (rolled back first if it was left inside a transaction) or opens one
+    /// on the blocking pool.
     ///
     /// # Errors
     ///
-    /// "connection pool closed" ([`ErrorKind::Other`]) after [`close`](Self::close);
-    /// the error of [`Manager::open`] when opening fails.
+    /// [`ErrorKind::Connection`] when no connection came in time; "connection pool
+    /// closed" ([`ErrorKind::Other`]) after [`close`](Self::close); the error of
+    /// [`Manager::open`] when opening fails.
     pub async fn lease(&self) -> Result<Lease<M>, DbError> {
-        let permit = Arc::clone(&self.shared.permits)
-            .acquire_owned()
+        let obj = self
+            .pool
+            .get()
             .await
-            .map_err(|_| DbError::new(M::ENGINE, ErrorKind::Other, "connection pool closed"))?;
-        let idle = self.shared.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
-        let conn = match idle {
-            Some(conn) => conn,
-            None => {
-                let shared = Arc::clone(&self.shared);
-                tokio::task::spawn_blocking(move || shared.manager.open())
-                    .await
-                    .map_err(|e| {
-                        DbError::new(
-                            M::ENGINE,
-                            ErrorKind::Other,
-                            format!("opening a connection failed: {e}"),
-                        )
-                    })??
-            }
-        };
+            .map_err(|e| checkout_error::<M>(e, self.options.acquire_timeout))?;
         Ok(Lease {
-            slot: Arc::new(tokio::sync::Mutex::new(Slot {
-                conn: Some(conn),
-                in_transaction: false,
-            })),
-            permit: Some(permit),
-            shared: Arc::clone(&self.shared),
+            obj,
+            manager: Arc::clone(&self.manager),
         })
     }
 
-    /// Closes the pool: waits until every leased connection has come back (including
-    /// leases whose rollback or close is still running on the blocking pool), then
-    /// closes the idle connections on the blocking pool. Later leases, on this pool or
-    /// its clones, fail with "connection pool closed".
+    /// Closes the pool: later leases, on this pool or its clones, fail with
+    /// "connection pool closed"; idle connections are closed on the blocking pool, and
+    /// this waits until every leased connection has come back and been closed too.
     pub async fn close(&self) {
-        let all = u32::try_from(self.shared.max_size).unwrap_or(u32::MAX);
-        let held = Arc::clone(&self.shared.permits)
-            .acquire_many_owned(all)
-            .await;
-        self.shared.permits.close();
-        let idle = self
-            .shared
-            .idle
-            .lock()
-            .map(|mut v| std::mem::take(&mut *v))
-            .unwrap_or_default();
-        if !idle.is_empty() {
-            let shared = Arc::clone(&self.shared);
-            let closing = tokio::task::spawn_blocking(move || {
-                for conn in idle {
-                    shared.manager.close(conn);
-                }
-            });
-            let _ = closing.await;
+        self.pool.close();
+        // Bounded by the leases themselves, as before: a lease held forever keeps this
+        // waiting, which is what "close waits for the leases" means.
+        while self.pool.status().size > 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        drop(held);
     }
 }
 
-/// One leased connection and its pool slot, given back on drop.
-///
-/// Dropping a lease whose connection has no open transaction (as of its last
-/// [`run`](Self::run)) and is [`reusable`](Manager::reusable) puts it back in the idle
-/// list at once. Otherwise the connection is [reset](Manager::reset) or
-/// [closed](Manager::close) on the blocking pool (inline outside a tokio runtime), and
-/// the slot stays taken until that is done.
+/// One leased connection, given back to the pool on drop (no I/O: a connection that
+/// is not clean is rolled back or thrown away at its next checkout).
 pub struct Lease<M: Manager> {
-    /// The connection, locked by whichever call is using it on the blocking pool. A
-    /// `run` whose future was dropped (a timeout around a statement) keeps the lock
-    /// until its statement ends and then puts the connection back, so the next call on
-    /// this lease (the protocol's rollback) waits for it instead of finding it gone.
-    slot: Arc<tokio::sync::Mutex<Slot<M::Connection>>>,
-    permit: Option<OwnedSemaphorePermit>,
-    shared: Arc<Shared<M>>,
-}
-
-struct Slot<C> {
-    /// `None` only after a panic of a closure took the connection down with it.
-    conn: Option<C>,
-    in_transaction: bool,
+    obj: Object<Adapter<M>>,
+    manager: Arc<M>,
 }
 
 impl<M: Manager> fmt::Debug for Lease<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut d = f.debug_struct("Lease");
-        d.field("engine", &M::ENGINE);
-        match self.slot.try_lock() {
-            Ok(slot) => d
-                .field("connected", &slot.conn.is_some())
-                .field("in_transaction", &slot.in_transaction),
-            Err(_) => d.field("busy", &true),
-        };
-        d.finish_non_exhaustive()
+        f.debug_struct("Lease")
+            .field("engine", &M::ENGINE)
+            .field("clean", &self.obj.clean.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
     }
 }
 
 impl<M: Manager> Lease<M> {
-    /// Runs `f` on the connection on the blocking pool (noting whether a transaction is
-    /// left open, see [`Manager::in_transaction`]). If an earlier call's future was
+    /// Runs `f` on the connection on the blocking pool, then notes there whether it is
+    /// still clean (no open transaction, healthy). If an earlier call's future was
     /// dropped while its statement ran, this waits for that statement to end first.
     ///
     /// # Panics
     ///
-    /// Re-raises a panic of `f`. The connection goes down with a panicking `f`, so a
-    /// later call on the same lease panics too; so does a call after the runtime
-    /// began shutting down (the blocking task was cancelled).
+    /// Re-raises a panic of `f`. The connection it panicked on is never reused, and a
+    /// later call on the same lease panics too; so does a call after the runtime began
+    /// shutting down (the blocking task was cancelled).
     pub async fn run<T, F>(&mut self, f: F) -> T
     where
         F: FnOnce(&M::Connection) -> T + Send + 'static,
         T: Send + 'static,
     {
-        let mut slot = Arc::clone(&self.slot).lock_owned().await;
-        let shared = Arc::clone(&self.shared);
-        let ran = tokio::task::spawn_blocking(move || {
-            // Taken out while `f` runs: if `f` panics, the connection is dropped
-            // (closed, which rolls back) and the slot stays empty.
-            let conn = slot.conn.take()?;
-            let out = f(&conn);
-            slot.in_transaction = shared.manager.in_transaction(&conn);
-            slot.conn = Some(conn);
-            Some(out)
-        })
-        .await;
+        let manager = Arc::clone(&self.manager);
+        let ran = self
+            .obj
+            .interact(move |conn, clean| {
+                // Unclean until proven otherwise: a panic of `f` leaves it so.
+                clean.store(false, Ordering::Release);
+                let out = f(conn);
+                let ok = manager.reusable(conn) && !manager.in_transaction(conn);
+                clean.store(ok, Ordering::Release);
+                out
+            })
+            .await;
         match ran {
             Ok(Some(out)) => out,
             Ok(None) => panic!(
@@ -293,65 +385,12 @@ impl<M: Manager> Lease<M> {
     }
 }
 
-/// Gives a connection back to the pool: straight to the idle list when it is clean and
-/// healthy, else reset or closed on the blocking pool (never on an async worker). The
-/// slot (`permit`) is freed only once the connection is back or closed.
-fn release<M: Manager>(
-    shared: Arc<Shared<M>>,
-    conn: M::Connection,
-    in_transaction: bool,
-    permit: Option<OwnedSemaphorePermit>,
-) {
-    if !in_transaction && shared.manager.reusable(&conn) {
-        shared.push_idle(conn);
-        drop(permit);
-        return;
-    }
-    let give_back = move || {
-        shared.give_back_blocking(conn, in_transaction);
-        drop(permit);
-    };
-    if let Ok(rt) = tokio::runtime::Handle::try_current() {
-        drop(rt.spawn_blocking(give_back));
-    } else {
-        give_back();
-    }
-}
-
-impl<M: Manager> Drop for Lease<M> {
-    fn drop(&mut self) {
-        let (shared, permit) = (Arc::clone(&self.shared), self.permit.take());
-        match Arc::clone(&self.slot).try_lock_owned() {
-            Ok(mut slot) => match slot.conn.take() {
-                Some(conn) => release(shared, conn, slot.in_transaction, permit),
-                None => drop(permit),
-            },
-            // A dropped `run` is still using the connection: give it back when its
-            // statement ends.
-            Err(_) => match tokio::runtime::Handle::try_current() {
-                Ok(rt) => {
-                    let slot = Arc::clone(&self.slot);
-                    drop(rt.spawn(async move {
-                        let mut slot = slot.lock_owned().await;
-                        match slot.conn.take() {
-                            Some(conn) => release(shared, conn, slot.in_transaction, permit),
-                            None => drop(permit),
-                        }
-                    }));
-                }
-                // No runtime: the blocking task drops (closes) the connection when it
-                // ends, which rolls back.
-                Err(_) => drop(permit),
-            },
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::SeqCst};
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
     use std::thread::ThreadId;
-    use std::time::Duration;
 
     use super::*;
 
@@ -359,42 +398,39 @@ mod tests {
     #[derive(Default)]
     struct Stats {
         opens: AtomicUsize,
-        closes: AtomicUsize,
         resets: AtomicUsize,
         drops: AtomicUsize,
         fail_next_open: AtomicBool,
-        /// The threads `reset` and `close` ran on.
+        /// The threads `open`, `reset` and a connection's drop ran on.
         round_trip_threads: Mutex<Vec<ThreadId>>,
     }
 
     impl Stats {
-        fn get(&self) -> (usize, usize, usize, usize) {
+        /// (opened, reset, dropped)
+        fn get(&self) -> (usize, usize, usize) {
             (
                 self.opens.load(SeqCst),
                 self.resets.load(SeqCst),
-                self.closes.load(SeqCst),
                 self.drops.load(SeqCst),
             )
         }
 
         fn round_trip_threads(&self) -> Vec<ThreadId> {
-            self.round_trip_threads
-                .lock()
-                .map(|v| v.clone())
-                .unwrap_or_default()
+            self.round_trip_threads.lock().unwrap().clone()
         }
 
         fn note_thread(&self) {
-            if let Ok(mut v) = self.round_trip_threads.lock() {
-                v.push(std::thread::current().id());
-            }
+            self.round_trip_threads
+                .lock()
+                .unwrap()
+                .push(std::thread::current().id());
         }
     }
 
     struct Fake {
         stats: Arc<Stats>,
         can_reset: bool,
-        /// How long `reset` and `close` take (a round trip).
+        /// How long `reset` takes (a round trip).
         delay: Duration,
     }
 
@@ -407,6 +443,7 @@ mod tests {
 
     impl Drop for FakeConn {
         fn drop(&mut self) {
+            self.stats.note_thread();
             self.stats.drops.fetch_add(1, SeqCst);
         }
     }
@@ -416,6 +453,7 @@ mod tests {
         const ENGINE: &'static str = "fake";
 
         fn open(&self) -> Result<FakeConn, DbError> {
+            self.stats.note_thread();
             if self.stats.fail_next_open.swap(false, SeqCst) {
                 return Err(DbError::new("fake", ErrorKind::Connection, "refused"));
             }
@@ -444,13 +482,6 @@ mod tests {
             }
             self.can_reset
         }
-
-        fn close(&self, conn: FakeConn) {
-            self.stats.note_thread();
-            std::thread::sleep(self.delay);
-            self.stats.closes.fetch_add(1, SeqCst);
-            drop(conn);
-        }
     }
 
     fn pool(max_size: usize, can_reset: bool) -> (BlockingPool<Fake>, Arc<Stats>) {
@@ -468,7 +499,8 @@ mod tests {
             can_reset,
             delay,
         };
-        (BlockingPool::new(manager, max_size), stats)
+        let options = PoolOptions::new(max_size).acquire_timeout(Duration::from_secs(10));
+        (BlockingPool::new(manager, options).unwrap(), stats)
     }
 
     /// Leases the pool and returns the connection's id and whether it is in a transaction.
@@ -481,22 +513,63 @@ mod tests {
         lease.run(|c| c.in_tx.store(true, SeqCst)).await;
     }
 
+    /// Lets the blocking pool finish what a drop handed to it.
+    async fn settle(stats: &Stats, drops: usize) {
+        for _ in 0..500 {
+            if stats.drops.load(SeqCst) >= drops {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     #[tokio::test]
     async fn idle_connections_are_reused() {
         let (pool, stats) = pool(4, true);
         for _ in 0..3 {
             assert_eq!(which(&pool).await, (1, false));
         }
-        assert_eq!(stats.get(), (1, 0, 0, 0), "one open, nothing closed");
+        assert_eq!(stats.get(), (1, 0, 0), "one open, nothing closed");
 
         let a = pool.lease().await.expect("lease a");
         let mut b = pool.lease().await.expect("lease b");
         assert_eq!(b.run(|c| c.id).await, 2, "a held lease is not shared");
         drop((a, b));
-        assert_eq!(which(&pool).await.0, 2, "idle connections are a stack");
-        assert_eq!(which(&pool).await.0, 2);
-        assert_eq!(stats.get(), (2, 0, 0, 0));
+        assert_eq!(stats.get(), (2, 0, 0));
         assert_eq!(pool.max_size(), 4);
+    }
+
+    /// A current-thread runtime: its only async worker is the test's own thread.
+    #[tokio::test]
+    async fn blocking_calls_never_run_on_an_async_worker() {
+        let (pool, stats) = pool(1, true);
+        let async_thread = std::thread::current().id();
+        let mut lease = pool.lease().await.expect("lease");
+        let ran_on = lease.run(|_| std::thread::current().id()).await;
+        assert_ne!(
+            ran_on, async_thread,
+            "the driver call ran on the async worker"
+        );
+        begin(&mut lease).await;
+        drop(lease);
+        assert_eq!(which(&pool).await, (1, false), "reset at checkout");
+        assert_eq!(stats.round_trip_threads().len(), 2, "open and reset");
+        assert_off(&stats, async_thread, "open or reset");
+        drop(pool);
+        settle(&stats, 1).await;
+        assert_eq!(stats.round_trip_threads().len(), 3, "and the close");
+        assert_off(&stats, async_thread, "the close");
+    }
+
+    /// Every round trip so far ran off `async_thread`.
+    fn assert_off(stats: &Stats, async_thread: ThreadId, what: &str) {
+        assert!(
+            stats
+                .round_trip_threads()
+                .iter()
+                .all(|t| *t != async_thread),
+            "{what} ran on the async worker"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -515,10 +588,11 @@ mod tests {
         );
         // The next call waits for that statement and gets the same connection.
         assert_eq!(lease.run(|c| c.id).await, 1);
-        // Dropping a lease whose statement is still running gives the connection back
-        // once it ends.
+        // Dropping a lease whose statement is still running gives the connection back;
+        // its next checkout waits for the statement.
         let slow = lease.run(|c| {
-            std::thread::sleep(Duration::from_millis(500));
+            c.in_tx.store(true, SeqCst);
+            std::thread::sleep(Duration::from_millis(300));
             c.id
         });
         assert!(
@@ -530,51 +604,36 @@ mod tests {
         assert_eq!(
             which(&pool).await,
             (1, false),
-            "back in the pool, then reused"
+            "back in the pool, rolled back, then reused"
         );
-        assert_eq!(stats.get().0, 1, "no second connection was opened");
+        assert_eq!(stats.get(), (1, 1, 0), "no second connection was opened");
     }
 
     #[tokio::test]
-    async fn an_open_transaction_is_reset_off_the_async_thread_before_reuse() {
+    async fn an_open_transaction_is_reset_before_reuse() {
         let (pool, stats) = slow_pool(1, true, Duration::from_millis(50));
         let mut lease = pool.lease().await.expect("lease");
         begin(&mut lease).await;
         drop(lease);
-        // One slot: the next lease waits until the reset (50 ms) is done.
+        assert_eq!(stats.get(), (1, 0, 0), "no I/O when the lease is dropped");
         assert_eq!(which(&pool).await, (1, false), "reset, then reused");
-        assert_eq!(stats.get(), (1, 1, 0, 0));
-        let async_thread = std::thread::current().id();
-        assert_eq!(stats.round_trip_threads().len(), 1);
-        assert!(
-            stats
-                .round_trip_threads()
-                .iter()
-                .all(|t| *t != async_thread),
-            "the rollback ran on the async worker"
-        );
+        assert_eq!(stats.get(), (1, 1, 0));
     }
 
     #[tokio::test]
-    async fn an_open_transaction_is_closed_when_reset_is_refused() {
+    async fn an_open_transaction_is_thrown_away_when_reset_fails() {
         let (pool, stats) = pool(1, false);
         let mut lease = pool.lease().await.expect("lease");
         begin(&mut lease).await;
         drop(lease);
         assert_eq!(which(&pool).await, (2, false), "a fresh connection");
-        assert_eq!(stats.get(), (2, 1, 1, 1), "the first one was closed");
-        let async_thread = std::thread::current().id();
-        assert!(
-            stats
-                .round_trip_threads()
-                .iter()
-                .all(|t| *t != async_thread),
-            "the close ran on the async worker"
-        );
+        settle(&stats, 1).await;
+        assert_eq!(stats.get(), (2, 1, 1), "the first one was dropped");
+        assert_off(&stats, std::thread::current().id(), "the close");
     }
 
     #[tokio::test]
-    async fn the_default_reset_closes_a_connection_left_in_a_transaction() {
+    async fn the_default_reset_throws_away_a_connection_left_in_a_transaction() {
         struct Minimal;
         impl Manager for Minimal {
             type Connection = Arc<AtomicBool>;
@@ -586,7 +645,7 @@ mod tests {
                 conn.load(SeqCst)
             }
         }
-        let pool = BlockingPool::new(Minimal, 1);
+        let pool = BlockingPool::new(Minimal, PoolOptions::new(1)).unwrap();
         let mut lease = pool.lease().await.expect("lease");
         let first = lease.run(Arc::clone).await;
         lease.run(|c| c.store(true, SeqCst)).await;
@@ -595,6 +654,12 @@ mod tests {
         let second = lease.run(Arc::clone).await;
         assert!(!Arc::ptr_eq(&first, &second), "the first was not reused");
         drop(lease);
+        for _ in 0..500 {
+            if Arc::strong_count(&first) == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert_eq!(Arc::strong_count(&first), 1, "the first was dropped");
         assert_eq!(Arc::strong_count(&second), 2, "the second is idle");
     }
@@ -607,17 +672,18 @@ mod tests {
         lease.run(|c| c.in_tx.store(false, SeqCst)).await;
         drop(lease);
         assert_eq!(which(&pool).await, (1, false));
-        assert_eq!(stats.get(), (1, 0, 0, 0));
+        assert_eq!(stats.get(), (1, 0, 0));
     }
 
     #[tokio::test]
-    async fn unhealthy_connections_are_closed_not_reused() {
+    async fn unhealthy_connections_are_thrown_away_not_reused() {
         let (pool, stats) = pool(1, true);
         let mut lease = pool.lease().await.expect("lease");
         lease.run(|c| c.healthy.store(false, SeqCst)).await;
         drop(lease);
         assert_eq!(which(&pool).await, (2, false));
-        assert_eq!(stats.get(), (2, 0, 1, 1), "closed without a reset");
+        settle(&stats, 1).await;
+        assert_eq!(stats.get(), (2, 0, 1), "dropped without a reset");
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -654,11 +720,33 @@ mod tests {
             task.await.expect("task");
         }
         assert!(peak.load(SeqCst) <= 2, "peak {}", peak.load(SeqCst));
-        assert_eq!(stats.get(), (2, 0, 0, 0), "never more than two opened");
+        assert_eq!(stats.get(), (2, 0, 0), "never more than two opened");
     }
 
     #[tokio::test]
-    async fn a_panicking_closure_propagates_and_releases_its_slot() {
+    async fn acquisition_is_bounded_with_a_clear_error() {
+        let stats = Arc::new(Stats::default());
+        let manager = Fake {
+            stats: Arc::clone(&stats),
+            can_reset: true,
+            delay: Duration::ZERO,
+        };
+        let options = PoolOptions::new(1).acquire_timeout(Duration::from_millis(50));
+        let pool = BlockingPool::new(manager, options).unwrap();
+        let held = pool.lease().await.expect("lease");
+        let err = tokio::time::timeout(Duration::from_secs(10), pool.lease())
+            .await
+            .expect("the acquire timeout bounds the wait")
+            .expect_err("no free connection");
+        assert_eq!((err.engine(), err.kind()), ("fake", ErrorKind::Connection));
+        assert!(err.message().contains("acquire timeout"), "{err}");
+        assert!(err.message().contains("max_connections"), "{err}");
+        drop(held);
+        assert_eq!(which(&pool).await, (1, false));
+    }
+
+    #[tokio::test]
+    async fn a_panicking_closure_propagates_and_its_connection_is_not_reused() {
         let (pool, stats) = pool(1, true);
         let task = tokio::spawn({
             let pool = pool.clone();
@@ -677,7 +765,8 @@ mod tests {
         );
         let next = tokio::time::timeout(Duration::from_secs(5), which(&pool)).await;
         assert_eq!(next.ok(), Some((2, false)), "the slot was released");
-        assert_eq!(stats.get(), (2, 0, 0, 1), "the first went down with f");
+        settle(&stats, 1).await;
+        assert_eq!(stats.get(), (2, 0, 1), "the first went down with f");
     }
 
     #[tokio::test]
@@ -693,9 +782,8 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn close_waits_for_leases_then_closes_idle_connections() {
-        // Resets and closes take 20 ms each: close must wait for them too.
-        let (pool, stats) = slow_pool(3, true, Duration::from_millis(20));
+    async fn close_waits_for_leases_then_closes_every_connection() {
+        let (pool, stats) = pool(3, true);
         let held = pool.lease().await.expect("lease");
         let mut in_tx = pool.lease().await.expect("lease");
         begin(&mut in_tx).await;
@@ -713,7 +801,8 @@ mod tests {
             .await
             .expect("close finishes once every lease is back")
             .expect("close task");
-        assert_eq!(stats.get(), (3, 1, 3, 3), "all three closed, one reset");
+        settle(&stats, 3).await;
+        assert_eq!(stats.get(), (3, 0, 3), "all three dropped");
 
         let err = pool.lease().await.expect_err("closed");
         assert_eq!(err.message(), "connection pool closed");
@@ -722,9 +811,10 @@ mod tests {
     }
 
     #[test]
-    fn drop_outside_a_runtime_resets_inline() {
+    fn dropping_outside_a_runtime_closes_inline_without_panicking() {
         let (pool, stats) = pool(1, true);
         let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
             .build()
             .expect("runtime");
         let lease = rt.block_on(async {
@@ -734,16 +824,9 @@ mod tests {
         });
         drop(rt);
         drop(lease);
-        assert_eq!(stats.get(), (1, 1, 0, 0));
-        assert_eq!(
-            stats.round_trip_threads(),
-            vec![std::thread::current().id()],
-            "no runtime: the reset ran here"
-        );
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("runtime");
-        assert_eq!(rt.block_on(which(&pool)), (1, false), "reused");
+        assert_eq!(stats.get(), (1, 0, 0), "returned without I/O");
+        drop(pool);
+        assert_eq!(stats.get(), (1, 0, 1), "no runtime: closed here");
     }
 
     #[test]

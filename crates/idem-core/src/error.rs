@@ -245,6 +245,25 @@ impl<E> Error<E> {
             _ => None,
         }
     }
+
+    /// Converts the effect's error with `f`, keeping every other variant; `f` may instead
+    /// return a value `X` that ends the conversion (an integration's own outcome
+    /// carried through the effect's error type, such as an HTTP response not to store).
+    pub fn try_map_effect<F, X>(self, f: impl FnOnce(E) -> Result<F, X>) -> Result<Error<F>, X> {
+        Ok(match self {
+            Self::Effect(e) => Error::Effect(f(e)?),
+            Self::InvalidInput(e) => Error::InvalidInput(e),
+            Self::KeyReused { stored, supplied } => Error::KeyReused { stored, supplied },
+            Self::PayloadMismatch { stored, supplied } => {
+                Error::PayloadMismatch { stored, supplied }
+            }
+            Self::InProgress { waited } => Error::InProgress { waited },
+            Self::StoredRejection(v) => Error::StoredRejection(v),
+            Self::RetriesExhausted { attempts, last } => Error::RetriesExhausted { attempts, last },
+            Self::Decode(e) => Error::Decode(e),
+            Self::Backend(e) => Error::Backend(e),
+        })
+    }
 }
 
 impl<E> From<InvalidInput> for Error<E> {

@@ -14,6 +14,7 @@
 
 mod backend;
 pub mod blocking;
+pub mod claim;
 mod effect;
 mod error;
 mod ident;
@@ -23,6 +24,7 @@ mod protocol;
 mod request;
 
 pub use backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
+pub use blocking::{DEFAULT_ACQUIRE_TIMEOUT, PoolOptions};
 pub use effect::{EffectError, ReportMarker, StdErrorMarker};
 pub use error::{DbError, Error, ErrorKind, InvalidInput};
 pub use ident::{

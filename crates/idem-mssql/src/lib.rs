@@ -153,6 +153,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
     Backend, BoxFuture, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance,
     Migration, Status, Stored, Table,
@@ -186,10 +187,6 @@ pub const MIGRATIONS: &[Migration] = &[
         sql: include_str!("../../../migrations/mssql/0002_expiry.sql"),
     },
 ];
-
-/// How often a claim re-tries inside one transaction when the conflicting record
-/// vanished (purged) or was replaced between the INSERT and the re-read.
-const CLAIM_ROUNDS: usize = 3;
 
 /// The longest retention expressed exactly: 700,000 days (about 1,916 years). Longer
 /// ones are treated as this, which keeps `DATEADD` inside `datetime2`'s range.
@@ -355,15 +352,6 @@ fn not_completed(expired: Option<i32>) -> DbError {
     }
 }
 
-/// What one claim round found.
-enum Round {
-    Won,
-    Found(Stored),
-    /// The conflicting row is not visible (purged, or outside a SNAPSHOT transaction's
-    /// snapshot), or an expired row was replaced first.
-    Again,
-}
-
 impl MssqlBackend {
     /// Connects by URL or ADO.NET connection string (see [`MssqlOptions::parse`]) and
     /// opens one connection now, so a wrong address or login fails here.
@@ -374,7 +362,7 @@ impl MssqlBackend {
     /// Connects with explicit options.
     pub async fn connect_with(options: MssqlOptions) -> Result<Self, DbError> {
         let backend = Self {
-            pool: Arc::new(Pool::new(options)),
+            pool: Arc::new(Pool::new(options)?),
         };
         // Open one connection now; it stays in the pool.
         let lease = backend.pool.acquire().await?;
@@ -408,7 +396,7 @@ impl MssqlBackend {
     /// Closes the idle connections and refuses new work. Connections in use close when
     /// they are returned.
     pub async fn close(&self) {
-        self.pool.close().await;
+        self.pool.close();
     }
 
     async fn rollback_after(&self, mut lease: Lease, error: DbError) -> DbError {
@@ -416,110 +404,211 @@ impl MssqlBackend {
         let _ = lease.rollback().await;
         error
     }
+}
 
-    async fn claim_round(
-        lease: &mut Lease,
-        ids: &Ids<'_>,
-        claim: &Claim<'_>,
-    ) -> Result<Round, DbError> {
-        let (days, secs, micros) = cutoff_parts(claim.retention);
-        let request = claim.request;
-        let inserted = match ids {
-            Ids::Request {
-                principal,
-                operation,
-                key,
-            } => {
-                lease
-                    .execute(
-                        sql::INSERT_REQUEST,
-                        &[
-                            principal,
-                            operation,
-                            key,
-                            &request.unwrap_or_default(),
-                            &days,
-                            &secs,
-                            &micros,
-                        ],
-                    )
-                    .await
-            }
-            Ids::Message {
-                subscriber,
-                message_id,
-            } => {
-                lease
-                    .execute(
-                        sql::INSERT_MESSAGE,
-                        &[subscriber, message_id, &request, &days, &secs, &micros],
-                    )
-                    .await
+/// A claim's open transaction on a pooled session, with the session's own
+/// `LOCK_TIMEOUT` to give back (-1: no limit).
+pub struct MssqlOpen {
+    lease: Lease,
+    session_lock_timeout: i32,
+}
+
+impl fmt::Debug for MssqlOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MssqlOpen").finish_non_exhaustive()
+    }
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is
+/// error 2627/2601 on a plain `INSERT`; under `SNAPSHOT` the re-read may miss the winner,
+/// so a round that finds nothing ends the transaction and the retry starts a new one.
+impl ClaimSteps for MssqlBackend {
+    type Open = MssqlOpen;
+    type Won = MssqlTx;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new()
+            .reread_may_miss_winner(self.pool.options.isolation == Isolation::Snapshot)
+    }
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MssqlOpen>, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let begin = begin_batch(self.pool.options.isolation, claim.wait);
+        let row = match lease.begin(&begin).await {
+            Ok(row) => row,
+            Err(e) => {
+                let e = db_error_in("beginning the claim's transaction", e);
+                return Err(self.rollback_after(lease, e).await);
             }
         };
-        match inserted {
-            Ok(_) => return Ok(Round::Won),
-            Err(e) if error_codes::classify(&e) == ErrorKind::UniqueViolation => {}
-            Err(e) => return Err(db_error_in("claiming the key", e)),
+        let before = row
+            .as_ref()
+            .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+        if before != Some(0) {
+            // Never reuse a session whose transaction state is not idem's.
+            lease.discard();
+            let e = DbError::new(
+                ENGINE,
+                ErrorKind::Other,
+                format!(
+                    "the pooled session was already inside a transaction \
+                     (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
+                     SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
+                     discarded and nothing ran"
+                ),
+            );
+            return Err(self.rollback_after(lease, e).await);
         }
+        let session_lock_timeout = row
+            .as_ref()
+            .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
+            .unwrap_or(-1);
+        Ok(Begun::Open(MssqlOpen {
+            lease,
+            session_lock_timeout,
+        }))
+    }
+
+    async fn insert(&self, open: &mut MssqlOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
+        let inserted = claim_write(
+            &mut open.lease,
+            claim,
+            sql::INSERT_REQUEST,
+            sql::INSERT_MESSAGE,
+        )
+        .await;
+        match inserted {
+            Ok(_) => Ok(true),
+            Err(e) if error_codes::classify(&e) == ErrorKind::UniqueViolation => Ok(false),
+            Err(e) => Err(db_error_in("claiming the key", e)),
+        }
+    }
+
+    async fn reread(&self, open: &mut MssqlOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
         let reread = |e| db_error_in("re-reading the conflicting record", e);
-        let replace = |e| db_error_in("replacing an expired record", e);
-        match ids {
+        let (row, expired_column) = match Ids::of(claim) {
             Ids::Request {
                 principal,
                 operation,
                 key,
-            } => {
-                let row = lease
-                    .query_row(sql::SELECT_REQUEST, &[principal, operation, key])
+            } => (
+                open.lease
+                    .query_row(sql::SELECT_REQUEST, &[&principal, &operation, &key])
                     .await
-                    .map_err(reread)?;
-                let Some(row) = row else {
-                    return Ok(Round::Again);
-                };
-                if !expired(&row, 3)? {
-                    return Ok(Round::Found(stored_request(&row)?));
-                }
-                let n = lease
-                    .execute(
-                        sql::REPLACE_EXPIRED_REQUEST,
-                        &[
-                            principal,
-                            operation,
-                            key,
-                            &request.unwrap_or_default(),
-                            &days,
-                            &secs,
-                            &micros,
-                        ],
-                    )
-                    .await
-                    .map_err(replace)?;
-                Ok(if n == 1 { Round::Won } else { Round::Again })
-            }
+                    .map_err(reread)?,
+                3,
+            ),
             Ids::Message {
                 subscriber,
                 message_id,
-            } => {
-                let row = lease
-                    .query_row(sql::SELECT_MESSAGE, &[subscriber, message_id])
+            } => (
+                open.lease
+                    .query_row(sql::SELECT_MESSAGE, &[&subscriber, &message_id])
                     .await
-                    .map_err(reread)?;
-                let Some(row) = row else {
-                    return Ok(Round::Again);
-                };
-                if !expired(&row, 1)? {
-                    return Ok(Round::Found(stored_message(&row)?));
-                }
-                let n = lease
-                    .execute(
-                        sql::REPLACE_EXPIRED_MESSAGE,
-                        &[subscriber, message_id, &request, &days, &secs, &micros],
-                    )
-                    .await
-                    .map_err(replace)?;
-                Ok(if n == 1 { Round::Won } else { Round::Again })
-            }
+                    .map_err(reread)?,
+                1,
+            ),
+        };
+        let Some(row) = row else {
+            return Ok(Existing::Vanished);
+        };
+        if expired(&row, expired_column)? {
+            return Ok(Existing::Expired);
+        }
+        match Ids::of(claim) {
+            Ids::Request { .. } => stored_request(&row).map(Existing::Live),
+            Ids::Message { .. } => stored_message(&row).map(Existing::Live),
+        }
+    }
+
+    async fn replace_expired(
+        &self,
+        open: &mut MssqlOpen,
+        claim: &Claim<'_>,
+    ) -> Result<bool, DbError> {
+        let n = claim_write(
+            &mut open.lease,
+            claim,
+            sql::REPLACE_EXPIRED_REQUEST,
+            sql::REPLACE_EXPIRED_MESSAGE,
+        )
+        .await
+        .map_err(|e| db_error_in("replacing an expired record", e))?;
+        Ok(n == 1)
+    }
+
+    async fn ready(&self, open: &mut MssqlOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
+        // Won: the effect runs with the session's default lock timeout.
+        let restore = format!("{}{}", sql::SET_LOCK_TIMEOUT, open.session_lock_timeout);
+        open.lease
+            .batch(&restore)
+            .await
+            .map(drop)
+            .map_err(|e| db_error_in("resetting LOCK_TIMEOUT", e))
+    }
+
+    fn won(&self, open: MssqlOpen, _claim: &Claim<'_>) -> MssqlTx {
+        MssqlTx { lease: open.lease }
+    }
+
+    async fn rollback(&self, open: MssqlOpen) -> Result<(), DbError> {
+        let mut lease = open.lease;
+        let restore = format!("{}{}", sql::SET_LOCK_TIMEOUT, open.session_lock_timeout);
+        let ended = lease.rollback().await;
+        let reset = lease.batch(&restore).await;
+        if ended.is_err() || reset.is_err() {
+            lease.discard();
+        }
+        ended.map_err(|e| db_error_in("ending the claim's transaction", e))
+    }
+
+    fn waited_too_long(&self, error: &DbError) -> bool {
+        // A concurrent holder kept the identity past the wait bound.
+        error.code() == Some("1222")
+    }
+}
+
+/// One of the claim's writes (the placeholder `INSERT`, or the guarded takeover of an
+/// expired record): both bind the key, the request and the retention's parts.
+async fn claim_write(
+    lease: &mut Lease,
+    claim: &Claim<'_>,
+    request_sql: &str,
+    message_sql: &str,
+) -> Result<u64, TdsError> {
+    let (days, secs, micros) = cutoff_parts(claim.retention);
+    let request = claim.request;
+    match Ids::of(claim) {
+        Ids::Request {
+            principal,
+            operation,
+            key,
+        } => {
+            lease
+                .execute(
+                    request_sql,
+                    &[
+                        &principal,
+                        &operation,
+                        &key,
+                        &request.unwrap_or_default(),
+                        &days,
+                        &secs,
+                        &micros,
+                    ],
+                )
+                .await
+        }
+        Ids::Message {
+            subscriber,
+            message_id,
+        } => {
+            lease
+                .execute(
+                    message_sql,
+                    &[&subscriber, &message_id, &request, &days, &secs, &micros],
+                )
+                .await
         }
     }
 }
@@ -564,94 +653,7 @@ impl Backend for MssqlBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MssqlTx>, DbError> {
-        let mut lease = self.pool.acquire().await?;
-        let isolation = self.pool.options.isolation;
-        let begin = begin_batch(isolation, claim.wait);
-        // The session's own lock timeout, given back after the claim (-1: no limit).
-        let session_lock_timeout = match lease.begin(&begin).await {
-            Ok(row) => {
-                let before = row
-                    .as_ref()
-                    .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
-                if before != Some(0) {
-                    // Never reuse a session whose transaction state is not idem's.
-                    lease.discard();
-                    let e = DbError::new(
-                        ENGINE,
-                        ErrorKind::Other,
-                        format!(
-                            "the pooled session was already inside a transaction \
-                             (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
-                             SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
-                             discarded and nothing ran"
-                        ),
-                    );
-                    return Err(self.rollback_after(lease, e).await);
-                }
-                row.as_ref()
-                    .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
-                    .unwrap_or(-1)
-            }
-            Err(e) => {
-                let e = db_error_in("beginning the claim's transaction", e);
-                return Err(self.rollback_after(lease, e).await);
-            }
-        };
-        let ids = Ids::of(claim);
-        let mut outcome = Err(DbError::new(
-            ENGINE,
-            ErrorKind::Transient,
-            "the conflicting record was not visible to this transaction (purged, replaced, \
-             or committed after a SNAPSHOT transaction began); claiming again in a new transaction",
-        ));
-        for _ in 0..CLAIM_ROUNDS {
-            match Self::claim_round(&mut lease, &ids, claim).await {
-                Ok(Round::Won) => {
-                    outcome = Ok(None);
-                    break;
-                }
-                Ok(Round::Found(stored)) => {
-                    outcome = Ok(Some(stored));
-                    break;
-                }
-                // Under SNAPSHOT the same transaction would never see the winner.
-                Ok(Round::Again) if isolation == Isolation::Snapshot => break,
-                Ok(Round::Again) => {}
-                Err(e) => {
-                    outcome = Err(e);
-                    break;
-                }
-            }
-        }
-        let restore = format!("{}{session_lock_timeout}", sql::SET_LOCK_TIMEOUT);
-        let found = match outcome {
-            Ok(None) => {
-                // Won: the effect runs with the session's default lock timeout.
-                return match lease.batch(&restore).await {
-                    Ok(_) => Ok(Claimed::Won(MssqlTx { lease })),
-                    Err(e) => {
-                        let e = db_error_in("resetting LOCK_TIMEOUT", e);
-                        Err(self.rollback_after(lease, e).await)
-                    }
-                };
-            }
-            Ok(Some(stored)) => Ok(stored),
-            Err(e) => Err(e),
-        };
-        let ended = lease.rollback().await;
-        let reset = lease.batch(&restore).await;
-        if ended.is_err() || reset.is_err() {
-            lease.discard();
-        }
-        match found {
-            Ok(stored) => {
-                ended.map_err(|e| db_error_in("ending the claim's transaction", e))?;
-                Ok(Claimed::Found(stored))
-            }
-            // A concurrent holder kept the identity past the wait bound.
-            Err(e) if e.code() == Some("1222") => Ok(Claimed::InFlight),
-            Err(e) => Err(e),
-        }
+        claim::run(self, claim).await
     }
 
     async fn finish(
@@ -970,23 +972,69 @@ mod tests {
 
     /// A listener that accepts and never answers: the connect timeout bounds the login.
     /// (No TDS byte is ever sent back, so no server "answers".)
+    /// A listener that accepts connections and never answers; returns its port and the
+    /// task holding the sockets.
+    async fn silent_listener() -> (u16, tokio::task::JoinHandle<()>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("bind: {e}"));
+        let port = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("addr: {e}"))
+            .port();
+        let hold = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket);
+            }
+        });
+        (port, hold)
+    }
+
+    #[test]
+    fn acquisition_is_bounded_by_the_acquire_timeout() {
+        let rt = runtime();
+        rt.block_on(async {
+            let (port, hold) = silent_listener().await;
+            // One slot, taken by a login that hangs (a silent listener) for up to 30 s:
+            // a second call gives up after the acquire timeout, with a clear error.
+            let url = format!(
+                "mssql://sa:Sup3r-S3cret@127.0.0.1:{port}/master?connect_timeout=30&max_connections=1"
+            );
+            let options = MssqlOptions::parse(&url)
+                .unwrap_or_else(|e| panic!("url: {e}"))
+                .acquire_timeout(Duration::from_millis(200));
+            let pool = Arc::new(Pool::new(options).unwrap_or_else(|e| panic!("pool: {e}")));
+            let first = tokio::spawn({
+                let pool = Arc::clone(&pool);
+                async move { pool.acquire().await.map(drop) }
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let err = match tokio::time::timeout(Duration::from_secs(20), pool.acquire()).await {
+                Ok(Ok(_)) => panic!("a second connection while the only slot is taken"),
+                Ok(Err(e)) => e,
+                Err(_) => panic!("the acquire timeout did not bound the wait"),
+            };
+            assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+            assert!(err.to_string().contains("acquire timeout"), "{err}");
+            assert!(err.to_string().contains("max_connections 1"), "{err}");
+            assert!(!err.to_string().contains("Sup3r-S3cret"), "{err}");
+            first.abort();
+            pool.close();
+            let closed = pool.acquire().await.map(drop);
+            assert!(
+                closed.is_err_and(|e| e.to_string().contains("pool is closed")),
+                "a closed pool refuses leases"
+            );
+            hold.abort();
+        });
+    }
+
     #[test]
     fn a_silent_listener_hits_the_connect_timeout() {
         let rt = runtime();
         rt.block_on(async {
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .unwrap_or_else(|e| panic!("bind: {e}"));
-            let port = listener
-                .local_addr()
-                .unwrap_or_else(|e| panic!("addr: {e}"))
-                .port();
-            let hold = tokio::spawn(async move {
-                let mut held = Vec::new();
-                while let Ok((socket, _)) = listener.accept().await {
-                    held.push(socket);
-                }
-            });
+            let (port, hold) = silent_listener().await;
             let url = format!("mssql://sa:Sup3r-S3cret@127.0.0.1:{port}/master?connect_timeout=1");
             // Without the connect timeout this login would wait forever; the generous
             // guard only turns such a hang into a failure.

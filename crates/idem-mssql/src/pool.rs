@@ -1,18 +1,24 @@
-//! A small connection pool (tiberius has none): a semaphore bounds the connections,
-//! idle ones wait in a list, and a connection goes back only when it is known to be in
-//! sync with the server and outside any transaction.
+//! The connection pool (tiberius has none): [deadpool](https://docs.rs/deadpool)'s
+//! managed pool with SQL Server's manager. `create` opens a connection (bounded by the
+//! connect timeout); `recycle`, at the next checkout, reuses a connection only when it
+//! is known to be in sync with the server (no request was cut off) and outside any
+//! transaction, and pings one that idled longer than 30 s. Returning a lease does no
+//! I/O; a connection that fails the check is dropped, which closes its socket and makes
+//! the server roll back whatever it had open. The claim itself checks `@@TRANCOUNT`
+//! before `BEGIN` and at commit.
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use deadpool::Runtime;
+use deadpool::managed::{self, Metrics, Object, PoolError, RecycleError, RecycleResult};
 
 use idem_core::{DbError, ErrorKind};
 use tiberius::error::Error as TdsError;
 use tiberius::{Client, Row, ToSql};
 use tokio::net::TcpStream;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio_util::compat::{Compat, TokioAsyncWriteCompatExt};
 
 use crate::ENGINE;
@@ -25,28 +31,6 @@ pub type MssqlClient = Client<Compat<TcpStream>>;
 
 /// A connection idle for longer than this is checked with `SELECT 1` before reuse.
 const PING_AFTER: Duration = Duration::from_secs(30);
-
-struct Idle {
-    client: MssqlClient,
-    since: Instant,
-}
-
-pub(crate) struct Pool {
-    pub(crate) options: MssqlOptions,
-    idle: Mutex<Vec<Idle>>,
-    permits: Arc<Semaphore>,
-    closed: AtomicBool,
-}
-
-impl fmt::Debug for Pool {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Pool")
-            .field("options", &self.options)
-            .field("available", &self.permits.available_permits())
-            .field("closed", &self.closed.load(Ordering::Relaxed))
-            .finish_non_exhaustive()
-    }
-}
 
 fn connect_error(addr: &str, kind: ErrorKind, detail: String) -> DbError {
     DbError::new(
@@ -110,142 +94,187 @@ pub(crate) async fn open(options: &MssqlOptions) -> Result<MssqlClient, DbError>
     ))
 }
 
-impl Pool {
-    pub(crate) fn new(options: MssqlOptions) -> Self {
-        let max = options.max_connections.max(1);
-        Self {
-            options,
-            idle: Mutex::new(Vec::new()),
-            permits: Arc::new(Semaphore::new(max)),
-            closed: AtomicBool::new(false),
-        }
+/// A pooled connection and what the pool must know before reusing it.
+pub(crate) struct Conn {
+    client: MssqlClient,
+    /// A request was sent and its whole response not yet read (a cancelled call).
+    busy: bool,
+    /// A transaction this lease began is still open.
+    in_tx: bool,
+    /// A transport error was seen, or the session state cannot be trusted.
+    broken: bool,
+}
+
+/// SQL Server's deadpool manager.
+pub(crate) struct Manager {
+    options: MssqlOptions,
+}
+
+impl managed::Manager for Manager {
+    type Type = Conn;
+    type Error = DbError;
+
+    async fn create(&self) -> Result<Conn, DbError> {
+        open(&self.options).await.map(|client| Conn {
+            client,
+            busy: false,
+            in_tx: false,
+            broken: false,
+        })
     }
 
-    /// Takes a connection: an idle one (checked if it idled long), or a new one.
-    pub(crate) async fn acquire(self: &Arc<Self>) -> Result<Lease, DbError> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(DbError::new(
-                ENGINE,
-                ErrorKind::Connection,
-                "the connection pool is closed",
-            ));
-        }
-        let wait = self.options.acquire_timeout;
-        let permit =
-            match tokio::time::timeout(wait, Arc::clone(&self.permits).acquire_owned()).await {
-                Ok(Ok(permit)) => permit,
-                Ok(Err(_)) => {
-                    return Err(DbError::new(
-                        ENGINE,
-                        ErrorKind::Connection,
-                        "the connection pool is closed",
-                    ));
-                }
-                Err(_) => {
-                    return Err(DbError::new(
-                        ENGINE,
-                        ErrorKind::Connection,
-                        format!(
-                            "no pooled connection to {} became free within {wait:?} (pool size {})",
-                            self.options.addr(),
-                            self.options.max_connections
-                        ),
-                    ));
-                }
-            };
-        let mut permit = permit;
-        loop {
-            let idle = self.idle.lock().map(|mut v| v.pop()).unwrap_or(None);
-            let Some(Idle { client, since }) = idle else {
-                return self.fresh(permit).await;
-            };
-            let mut lease = Lease::new(client, permit, Arc::clone(self));
-            if since.elapsed() < PING_AFTER || lease.batch(sql::PING).await.is_ok() {
-                return Ok(lease);
+    async fn recycle(&self, conn: &mut Conn, metrics: &Metrics) -> RecycleResult<DbError> {
+        match verdict(conn.busy, conn.in_tx, conn.broken, metrics.last_used()) {
+            // Dropping it closes the socket; the server rolls back.
+            Verdict::Discard => Err(RecycleError::message(
+                "left inside a transaction, mid-request or after a transport error",
+            )),
+            Verdict::Reuse => Ok(()),
+            // A stale connection (server restart, idle kill) is dropped; the pool tries
+            // the next one or opens a new one.
+            Verdict::Ping => {
+                let ping = match conn.client.simple_query(Cow::Borrowed(sql::PING)).await {
+                    Ok(stream) => stream.into_results().await.map(drop),
+                    Err(e) => Err(e),
+                };
+                ping.map_err(|_| RecycleError::message("the idle connection did not answer a ping"))
             }
-            // A stale connection (server restart, idle kill): close it, try the next.
-            lease.broken = true;
-            permit = lease.take_permit().ok_or_else(|| {
-                DbError::new(ENGINE, ErrorKind::Other, "a lease lost its pool permit")
-            })?;
-        }
-    }
-
-    async fn fresh(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> Result<Lease, DbError> {
-        let client = open(&self.options).await?;
-        Ok(Lease::new(client, permit, Arc::clone(self)))
-    }
-
-    /// Closes idle connections and refuses new leases; leased ones close when returned.
-    pub(crate) async fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        self.permits.close();
-        let idle = self
-            .idle
-            .lock()
-            .map(|mut v| std::mem::take(&mut *v))
-            .unwrap_or_default();
-        for Idle { client, .. } in idle {
-            let _ = client.close().await;
         }
     }
 }
 
-/// A leased connection. It goes back to the pool on drop only when no request is in
-/// flight, no transaction is open and no transport error was seen; otherwise it is
-/// closed, which makes the server roll back whatever it had open.
+/// What `recycle` does with a returned connection.
+#[derive(Debug, PartialEq, Eq)]
+enum Verdict {
+    Reuse,
+    Ping,
+    Discard,
+}
+
+/// A connection mid-request, inside a transaction or after a transport error is never
+/// reused; one idle for [`PING_AFTER`] or longer is pinged first.
+fn verdict(busy: bool, in_tx: bool, broken: bool, idle_for: Duration) -> Verdict {
+    if busy || in_tx || broken {
+        Verdict::Discard
+    } else if idle_for >= PING_AFTER {
+        Verdict::Ping
+    } else {
+        Verdict::Reuse
+    }
+}
+
+pub(crate) struct Pool {
+    pub(crate) options: MssqlOptions,
+    pool: managed::Pool<Manager>,
+}
+
+impl fmt::Debug for Pool {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let status = self.pool.status();
+        f.debug_struct("Pool")
+            .field("options", &self.options)
+            .field("size", &status.size)
+            .field("available", &status.available)
+            .field("closed", &self.pool.is_closed())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Pool {
+    pub(crate) fn new(options: MssqlOptions) -> Result<Self, DbError> {
+        let pool = managed::Pool::builder(Manager {
+            options: options.clone(),
+        })
+        .max_size(options.max_connections.max(1))
+        .runtime(Runtime::Tokio1)
+        .wait_timeout(Some(options.acquire_timeout))
+        .build()
+        .map_err(|e| {
+            DbError::new(
+                ENGINE,
+                ErrorKind::Configuration,
+                format!("cannot build the connection pool: {e}"),
+            )
+        })?;
+        Ok(Self { options, pool })
+    }
+
+    /// Takes a connection: an idle one that passes `recycle`, or a new one, waiting at
+    /// most the acquire timeout for a free slot.
+    pub(crate) async fn acquire(&self) -> Result<Lease, DbError> {
+        match self.pool.get().await {
+            Ok(obj) => Ok(Lease { obj }),
+            Err(PoolError::Backend(e)) => Err(e),
+            Err(PoolError::Timeout(_)) => Err(DbError::new(
+                ENGINE,
+                ErrorKind::Connection,
+                format!(
+                    "no pooled connection to {} became free within {:?} (the acquire timeout;                      max_connections {}); raise max_connections or acquire_timeout",
+                    self.options.addr(),
+                    self.options.acquire_timeout,
+                    self.options.max_connections
+                ),
+            )),
+            Err(PoolError::Closed) => Err(DbError::new(
+                ENGINE,
+                ErrorKind::Connection,
+                "the connection pool is closed",
+            )),
+            Err(other) => Err(DbError::new(
+                ENGINE,
+                ErrorKind::Other,
+                format!("connection pool: {other}"),
+            )),
+        }
+    }
+
+    /// Closes idle connections and refuses new leases; leased ones close when returned.
+    pub(crate) fn close(&self) {
+        self.pool.close();
+    }
+}
+
+/// A leased connection. Dropping it only gives it back to the pool; the next checkout's
+/// `recycle` decides from its flags whether it can be reused.
 pub(crate) struct Lease {
-    client: Option<MssqlClient>,
-    permit: Option<OwnedSemaphorePermit>,
-    pool: Arc<Pool>,
-    busy: bool,
-    in_tx: bool,
-    broken: bool,
+    obj: Object<Manager>,
 }
 
 impl fmt::Debug for Lease {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Lease")
-            .field("busy", &self.busy)
-            .field("in_tx", &self.in_tx)
-            .field("broken", &self.broken)
+            .field("busy", &self.conn().busy)
+            .field("in_tx", &self.conn().in_tx)
+            .field("broken", &self.conn().broken)
             .finish_non_exhaustive()
     }
 }
 
 impl Lease {
-    fn new(client: MssqlClient, permit: OwnedSemaphorePermit, pool: Arc<Pool>) -> Self {
-        Self {
-            client: Some(client),
-            permit: Some(permit),
-            pool,
-            busy: false,
-            in_tx: false,
-            broken: false,
-        }
+    fn conn(&self) -> &Conn {
+        self.obj.deref()
     }
 
-    fn take_permit(&mut self) -> Option<OwnedSemaphorePermit> {
-        self.permit.take()
+    fn conn_mut(&mut self) -> &mut Conn {
+        self.obj.deref_mut()
     }
 
-    /// The connection. A lease holds it from creation until it is dropped.
+    /// The connection.
     pub(crate) fn client(&mut self) -> &mut MssqlClient {
-        self.client
-            .as_mut()
-            .expect("a lease holds its connection until it is dropped")
+        &mut self.conn_mut().client
     }
 
     /// Marks the lease as inside a transaction the caller (an effect) drives.
     pub(crate) fn set_in_tx(&mut self, in_tx: bool) {
-        self.in_tx = in_tx;
+        self.conn_mut().in_tx = in_tx;
     }
 
     fn settle<T>(&mut self, result: Result<T, TdsError>) -> Result<T, TdsError> {
+        let conn = self.conn_mut();
         match &result {
             // A server error arrives after the whole response was read: in sync.
-            Ok(_) | Err(TdsError::Server(_)) => self.busy = false,
-            Err(_) => self.broken = true,
+            Ok(_) | Err(TdsError::Server(_)) => conn.busy = false,
+            Err(_) => conn.broken = true,
         }
         result
     }
@@ -256,7 +285,7 @@ impl Lease {
         sql: &str,
         params: &[&dyn ToSql],
     ) -> Result<u64, TdsError> {
-        self.busy = true;
+        self.conn_mut().busy = true;
         let result = self
             .client()
             .execute(sql, params)
@@ -271,7 +300,7 @@ impl Lease {
         sql: &str,
         params: &[&dyn ToSql],
     ) -> Result<Option<Row>, TdsError> {
-        self.busy = true;
+        self.conn_mut().busy = true;
         let result = match self.client().query(sql, params).await {
             Ok(stream) => stream.into_row().await,
             Err(e) => Err(e),
@@ -285,7 +314,7 @@ impl Lease {
         sql: &str,
         params: &[&dyn ToSql],
     ) -> Result<Vec<Row>, TdsError> {
-        self.busy = true;
+        self.conn_mut().busy = true;
         let result = match self.client().query(sql, params).await {
             Ok(stream) => stream.into_first_result().await,
             Err(e) => Err(e),
@@ -295,7 +324,7 @@ impl Lease {
 
     /// Runs an unparameterized batch; returns its first row, if any.
     pub(crate) async fn batch(&mut self, sql: &str) -> Result<Option<Row>, TdsError> {
-        self.busy = true;
+        self.conn_mut().busy = true;
         let result = match self.client().simple_query(Cow::Borrowed(sql)).await {
             Ok(stream) => stream.into_row().await,
             Err(e) => Err(e),
@@ -306,51 +335,57 @@ impl Lease {
     /// Opens a transaction with `begin` (one of the `BEGIN_*` batches); returns the
     /// batch's first row (`@@TRANCOUNT` before `BEGIN`).
     pub(crate) async fn begin(&mut self, begin: &str) -> Result<Option<Row>, TdsError> {
-        self.in_tx = true;
+        self.conn_mut().in_tx = true;
         self.batch(begin).await
     }
 
     /// Notes that a checked commit ended the transaction; the lease is reusable.
     pub(crate) fn mark_committed(&mut self) {
-        self.in_tx = false;
+        self.conn_mut().in_tx = false;
     }
 
-    /// Closes the connection when the lease is dropped instead of pooling it (its
-    /// session state cannot be trusted).
+    /// Never reuse this connection: its session state cannot be trusted. It is dropped
+    /// (closed) at its next checkout.
     pub(crate) fn discard(&mut self) {
-        self.broken = true;
+        self.conn_mut().broken = true;
     }
 
     /// Commits; the lease is reusable afterwards.
     pub(crate) async fn commit(&mut self) -> Result<(), TdsError> {
         self.batch(sql::COMMIT).await?;
-        self.in_tx = false;
+        self.conn_mut().in_tx = false;
         Ok(())
     }
 
     /// Rolls back if a transaction is still open; the lease is reusable afterwards.
     pub(crate) async fn rollback(&mut self) -> Result<(), TdsError> {
         self.batch(sql::ROLLBACK).await?;
-        self.in_tx = false;
+        self.conn_mut().in_tx = false;
         Ok(())
     }
 }
 
-impl Drop for Lease {
-    fn drop(&mut self) {
-        let Some(client) = self.client.take() else {
-            return;
-        };
-        if self.busy || self.in_tx || self.broken || self.pool.closed.load(Ordering::Acquire) {
-            // Dropping the client closes the socket; the server rolls back.
-            return;
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_clean_connections_are_reused_and_stale_ones_pinged() {
+        let fresh = Duration::from_secs(1);
+        assert_eq!(verdict(false, false, false, fresh), Verdict::Reuse);
+        assert_eq!(verdict(false, false, false, PING_AFTER), Verdict::Ping);
+        for (busy, in_tx, broken) in [
+            (true, false, false),
+            (false, true, false),
+            (false, false, true),
+            (true, true, true),
+        ] {
+            assert_eq!(
+                verdict(busy, in_tx, broken, fresh),
+                Verdict::Discard,
+                "busy {busy}, in_tx {in_tx}, broken {broken}"
+            );
+            assert_eq!(verdict(busy, in_tx, broken, PING_AFTER), Verdict::Discard);
         }
-        if let Ok(mut idle) = self.pool.idle.lock() {
-            idle.push(Idle {
-                client,
-                since: Instant::now(),
-            });
-        }
-        // The permit (a field) is released after this, with the connection back idle.
     }
 }

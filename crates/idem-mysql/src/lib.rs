@@ -148,9 +148,10 @@ use std::time::Duration;
 
 use tokio::sync::OnceCell;
 
+use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
-    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
-    Stored, Table,
+    Backend, Claim, Claimed, DEFAULT_ACQUIRE_TIMEOUT, DbError, ErrorKind, Finish, Identity,
+    Maintenance, Migration, PoolOptions, Status, Stored, Table,
 };
 pub use mysql_async;
 use mysql_async::consts::StatusFlags;
@@ -183,10 +184,6 @@ pub const DEFAULT_MAX_CONNECTIONS: usize = 40;
 
 /// How long `migrate` waits for another migrator of the same database, in seconds.
 const MIGRATION_LOCK_TIMEOUT_SECS: u32 = 60;
-
-/// How often a claim re-tries inside one transaction when the conflicting record
-/// vanished (purged) or was replaced under it.
-const CLAIM_ROUNDS: usize = 3;
 
 /// Retention windows are capped at 500 years, so that `UTC_TIMESTAMP(6) - INTERVAL`
 /// stays inside `DATETIME`'s range (a longer window would compute `NULL`).
@@ -231,6 +228,8 @@ impl DerefMut for MysqlTx {
 #[derive(Debug, Clone)]
 pub struct MysqlBackend {
     pool: Pool,
+    /// How long a call waits for a pooled connection.
+    acquire_timeout: Duration,
     /// The server's `max_allowed_packet`, read once.
     max_packet: Arc<OnceCell<u64>>,
 }
@@ -307,8 +306,46 @@ impl MysqlBackend {
     pub fn from_pool(pool: Pool) -> Self {
         Self {
             pool,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             max_packet: Arc::default(),
         }
+    }
+
+    /// Connects with explicit options and the pool settings every idem engine takes
+    /// under the same names: `max_connections` (the pool's maximum; its minimum is
+    /// lowered to fit) and `acquire_timeout` (how long a call waits for a free
+    /// connection before it fails with a connection error; 30 s otherwise).
+    pub async fn connect_pooled(opts: impl Into<Opts>, pool: PoolOptions) -> Result<Self, DbError> {
+        let opts: Opts = opts.into();
+        let max = pool.max_connections.max(1);
+        let min = opts.pool_opts().constraints().min().min(max);
+        let constraints = PoolConstraints::new(min, max)
+            .ok_or_else(|| config(format!("invalid pool size {min}..={max}")))?;
+        let pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+        let opts: Opts = OptsBuilder::from_opts(opts).pool_opts(pool_opts).into();
+        let mut backend = Self::connect_with(opts).await?;
+        backend.acquire_timeout = pool.acquire_timeout;
+        Ok(backend)
+    }
+
+    /// A pooled connection, waited for at most the acquire timeout.
+    async fn conn(&self) -> Result<mysql_async::Conn, DbError> {
+        match tokio::time::timeout(self.acquire_timeout, self.pool.get_conn()).await {
+            Ok(conn) => conn.map_err(db_error),
+            Err(_) => Err(self.acquire_timed_out()),
+        }
+    }
+
+    fn acquire_timed_out(&self) -> DbError {
+        DbError::new(
+            ENGINE,
+            ErrorKind::Connection,
+            format!(
+                "no pooled connection became free within {:?} (the acquire timeout); raise \
+                 max_connections or acquire_timeout",
+                self.acquire_timeout
+            ),
+        )
     }
 
     /// The pool, for your own queries.
@@ -468,53 +505,116 @@ fn lock_wait_secs(wait: Duration) -> u64 {
         .unwrap_or(1_073_741_824)
 }
 
-/// Claims inside `tx`: `Ok(None)` when this transaction won, `Ok(Some(stored))` for a
-/// committed, live record.
-async fn claim_in(
-    tx: &mut Transaction<'static>,
-    target: &Target<'_>,
-    micros: i64,
-) -> Result<Option<Stored>, DbError> {
-    for _ in 0..CLAIM_ROUNDS {
-        match tx
-            .exec_drop(
-                target.insert,
-                target.params(vec![], vec![target.request_value(), micros.into()]),
-            )
-            .await
-        {
-            Ok(()) => return Ok(None),
-            Err(e) if is_duplicate(&e) => {}
-            Err(e) => return Err(db_error(e)),
+/// A claim's open transaction (its `innodb_lock_wait_timeout` bounded by the wait).
+#[derive(Debug)]
+pub struct MysqlOpen {
+    tx: Transaction<'static>,
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is
+/// error 1062 on a plain `INSERT`, and the re-read is a locking read.
+impl ClaimSteps for MysqlBackend {
+    type Open = MysqlOpen;
+    type Won = MysqlTx;
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MysqlOpen>, DbError> {
+        self.check_packet("request", claim.request).await?;
+        let tx = tokio::time::timeout(
+            self.acquire_timeout,
+            self.pool.start_transaction(TxOpts::default()),
+        )
+        .await
+        .map_err(|_| self.acquire_timed_out())?
+        .map_err(db_error)?;
+        let mut open = MysqlOpen { tx };
+        let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
+        match open.tx.query_drop(bound).await {
+            Ok(()) => Ok(Begun::Open(open)),
+            Err(e) => {
+                let _ = self.rollback(open).await;
+                Err(db_error(e))
+            }
         }
-        let row: Option<Row> = tx
+    }
+
+    async fn insert(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
+        let target = Target::of(claim);
+        let micros = window_micros(claim.retention);
+        let params = target.params(vec![], vec![target.request_value(), micros.into()]);
+        match open.tx.exec_drop(target.insert, params).await {
+            Ok(()) => Ok(true),
+            Err(e) if is_duplicate(&e) => Ok(false),
+            Err(e) => Err(db_error(e)),
+        }
+    }
+
+    async fn reread(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
+        let target = Target::of(claim);
+        let row: Option<Row> = open
+            .tx
             .exec_first(target.select, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         let Some(row) = row else {
-            // Deleted (purged) between the INSERT and the read: claim again.
-            continue;
+            return Ok(Existing::Vanished);
         };
-        let (stored, expired) = target.read(row, true)?;
-        if !expired {
-            return Ok(Some(stored));
-        }
-        tx.exec_drop(
-            target.replace,
-            target.params(vec![target.request_value(), micros.into()], vec![]),
-        )
-        .await
-        .map_err(db_error)?;
-        if tx.affected_rows() == 1 {
-            return Ok(None);
-        }
-        // Replaced by another claimant in between: claim again.
+        Ok(match target.read(row, true)? {
+            (_, true) => Existing::Expired,
+            (stored, false) => Existing::Live(stored),
+        })
     }
-    Err(DbError::new(
-        ENGINE,
-        ErrorKind::Transient,
-        "the conflicting record kept changing during the claim",
-    ))
+
+    async fn replace_expired(
+        &self,
+        open: &mut MysqlOpen,
+        claim: &Claim<'_>,
+    ) -> Result<bool, DbError> {
+        let target = Target::of(claim);
+        let micros = window_micros(claim.retention);
+        let params = target.params(vec![target.request_value(), micros.into()], vec![]);
+        open.tx
+            .exec_drop(target.replace, params)
+            .await
+            .map_err(db_error)?;
+        Ok(open.tx.affected_rows() == 1)
+    }
+
+    async fn ready(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<(), DbError> {
+        // The effect (and the pooled session) keep their own lock-wait timeout.
+        open.tx
+            .query_drop(sql::RESTORE_LOCK_WAIT)
+            .await
+            .map_err(db_error)?;
+        if Target::of(claim).is_request {
+            return Ok(());
+        }
+        // The savepoint the completion checks: the message claim is still in this
+        // transaction.
+        open.tx
+            .query_drop(sql::SAVEPOINT_CLAIMED)
+            .await
+            .map_err(db_error)
+    }
+
+    fn won(&self, open: MysqlOpen, _claim: &Claim<'_>) -> MysqlTx {
+        MysqlTx { tx: open.tx }
+    }
+
+    async fn rollback(&self, open: MysqlOpen) -> Result<(), DbError> {
+        let mut tx = open.tx;
+        let restored = tx
+            .query_drop(sql::RESTORE_LOCK_WAIT)
+            .await
+            .map_err(db_error);
+        // A failed ROLLBACK drops the connection.
+        let ended = tx.rollback().await.map_err(db_error);
+        restored.and(ended)
+    }
+
+    fn waited_too_long(&self, error: &DbError) -> bool {
+        // A concurrent holder kept the identity past the wait bound.
+        error.code() == Some("1205")
+    }
 }
 
 /// The error of a completion whose record expired while the effect ran.
@@ -535,7 +635,7 @@ impl MysqlBackend {
     async fn max_packet(&self) -> Result<u64, DbError> {
         self.max_packet
             .get_or_try_init(|| async {
-                let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+                let mut conn = self.conn().await?;
                 let max: Option<u64> = conn
                     .query_first(sql::MAX_ALLOWED_PACKET)
                     .await
@@ -577,7 +677,7 @@ impl Backend for MysqlBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let target = Target::of(claim);
-        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let mut conn = self.conn().await?;
         // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
         // uncommitted winner's placeholder.
         conn.query_drop(sql::READ_COMMITTED)
@@ -593,41 +693,7 @@ impl Backend for MysqlBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<MysqlTx>, DbError> {
-        self.check_packet("request", claim.request).await?;
-        let target = Target::of(claim);
-        let micros = window_micros(claim.retention);
-        let mut tx = self
-            .pool
-            .start_transaction(TxOpts::default())
-            .await
-            .map_err(db_error)?;
-        let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
-        let claimed = match tx.query_drop(bound).await {
-            Ok(()) => claim_in(&mut tx, &target, micros).await,
-            Err(e) => Err(db_error(e)),
-        };
-        // The effect (and the pooled session) keep their own lock-wait timeout.
-        let restored = tx
-            .query_drop(sql::RESTORE_LOCK_WAIT)
-            .await
-            .map_err(db_error);
-        match (claimed, restored) {
-            (Ok(None), Ok(())) if target.is_request => Ok(Claimed::Won(MysqlTx { tx })),
-            (Ok(None), Ok(())) => match tx.query_drop(sql::SAVEPOINT_CLAIMED).await {
-                Ok(()) => Ok(Claimed::Won(MysqlTx { tx })),
-                Err(e) => Err(abort(tx, db_error(e)).await),
-            },
-            (Ok(Some(stored)), Ok(())) => {
-                tx.rollback().await.map_err(db_error)?;
-                Ok(Claimed::Found(stored))
-            }
-            (Err(e), _) if e.code() == Some("1205") => {
-                // A concurrent holder kept the identity past the wait bound.
-                let _ = tx.rollback().await;
-                Ok(Claimed::InFlight)
-            }
-            (Err(e), _) | (Ok(_), Err(e)) => Err(abort(tx, e).await),
-        }
+        claim::run(self, claim).await
     }
 
     async fn finish(&self, tx: MysqlTx, claim: &Claim<'_>, end: Finish<'_>) -> Result<(), DbError> {
@@ -698,7 +764,7 @@ impl Backend for MysqlBackend {
 
 impl Maintenance for MysqlBackend {
     async fn migrate(&self) -> Result<Vec<u32>, DbError> {
-        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let mut conn = self.conn().await?;
         let locked: Option<Row> = conn
             .exec_first(sql::MIGRATION_LOCK, (MIGRATION_LOCK_TIMEOUT_SECS,))
             .await
@@ -734,7 +800,7 @@ impl Maintenance for MysqlBackend {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
         };
-        let mut conn = self.pool.get_conn().await.map_err(db_error)?;
+        let mut conn = self.conn().await?;
         conn.exec_drop(statement, (window_micros(older_than), limit))
             .await
             .map_err(db_error)?;

@@ -457,3 +457,37 @@ async fn lock_wait_timeouts_in_the_effect_are_retried() {
     drop(idem);
     db.drop_database().await;
 }
+
+/// `max_connections` and `acquire_timeout`, the pool settings every engine takes under
+/// the same names: with the only connection held, a call fails with a connection error
+/// naming the acquire timeout instead of waiting on.
+#[tokio::test]
+async fn acquisition_is_bounded_by_the_acquire_timeout() {
+    let db = PrivateDb::create("acquire").await;
+    let opts = mysql_async::OptsBuilder::from_opts(idem_mysql::parse_url(&common::url()).unwrap())
+        .db_name(Some(&db.name));
+    let pool =
+        idem_core::PoolOptions::new(1).acquire_timeout(std::time::Duration::from_millis(200));
+    let small = MysqlBackend::connect_pooled(opts, pool).await.unwrap();
+    let held = small.pool().get_conn().await.unwrap();
+    let err = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        small.purge_batch(idem_core::Table::Requests, std::time::Duration::ZERO, 10),
+    )
+    .await
+    .expect("the acquire timeout bounds the wait")
+    .expect_err("no free connection");
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+    assert!(err.to_string().contains("acquire timeout"), "{err}");
+    drop(held);
+    assert_eq!(
+        small
+            .purge_batch(idem_core::Table::Requests, std::time::Duration::ZERO, 10)
+            .await
+            .unwrap(),
+        0,
+        "the freed connection serves the next call"
+    );
+    small.disconnect().await.unwrap();
+    db.drop_database().await;
+}

@@ -101,9 +101,11 @@ mod sql;
 
 use std::error::Error as StdError;
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use idem_core::blocking::{BlockingPool, Lease, Manager};
+use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
     Stored, Table,
@@ -131,10 +133,6 @@ pub const MIGRATIONS: &[Migration] = &[
 
 const ENGINE: &str = "oracle";
 
-/// How often a claim re-tries inside one transaction when the conflicting record
-/// vanished (purged) or was taken over between statements.
-const CLAIM_ROUNDS: usize = 3;
-
 /// The longest interval bound, in microseconds (1000 years). Longer retentions mean
 /// "never expires" and are clamped, so the cutoff stays inside Oracle's date range.
 const MAX_INTERVAL_MICROS: i64 = 1000 * 31_557_600 * 1_000_000;
@@ -151,9 +149,11 @@ const ALREADY_EXISTS: &[i32] = &[
     error_codes::COLUMN_ALREADY_EXISTS,
 ];
 
-/// What the pool needs to open connections, and Oracle's hooks for it: a connection is
-/// given back as it is when it has no open transaction, after a rollback (on the
-/// blocking pool) when it has one, and closed when its session is dead.
+/// What the pool needs to open connections, and Oracle's checks for it: a connection is
+/// reused as it is when it has no open transaction (the `TransactionInProgress`
+/// attribute, no round trip), after a rollback (on the blocking pool, at its next
+/// checkout) when it has one, and thrown away (closed, which rolls back) when its
+/// session is dead or the rollback fails.
 struct Oracle {
     options: ConnectOptions,
 }
@@ -176,12 +176,6 @@ impl Manager for Oracle {
 
     fn reset(&self, conn: &Connection) -> bool {
         conn.rollback().is_ok()
-    }
-
-    fn close(&self, conn: Connection) {
-        // ODPI-C rolls back any open transaction first. Should `close` fail, dropping
-        // `conn` closes it anyway.
-        let _ = conn.close();
     }
 }
 
@@ -210,17 +204,17 @@ impl OracleBackend {
 
     /// Connects with explicit options (any connect string Oracle Client accepts).
     pub async fn connect_with(options: ConnectOptions) -> Result<Self, DbError> {
-        let backend = Self::unconnected(options);
+        let backend = Self::unconnected(options)?;
         drop(backend.lease().await?);
         Ok(backend)
     }
 
     /// A backend that opens its first connection on first use.
-    fn unconnected(options: ConnectOptions) -> Self {
-        let size = options.pool_size();
-        Self {
-            pool: BlockingPool::new(Oracle { options }, size),
-        }
+    fn unconnected(options: ConnectOptions) -> Result<Self, DbError> {
+        let pool_options = options.pool_options();
+        Ok(Self {
+            pool: BlockingPool::new(Oracle { options }, pool_options)?,
+        })
     }
 
     /// The options this backend connects with.
@@ -446,16 +440,6 @@ fn lookup_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Store
     }
 }
 
-/// What the re-read after ORA-00001 found.
-enum Existing {
-    /// Nothing: the record was purged between the INSERT and the SELECT.
-    Vanished,
-    /// A live, committed record.
-    Live(Stored),
-    /// A record older than the retention: the claim may take it over.
-    Expired,
-}
-
 fn is_unique_violation(e: &oracle::Error) -> bool {
     error_codes::ora_code(e) == Some(error_codes::UNIQUE_VIOLATED)
 }
@@ -566,34 +550,6 @@ fn replace_expired_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<boo
     Ok(rows == 1)
 }
 
-/// The claim, on the blocking pool. `Ok(None)`: won, the transaction stays open.
-/// `Ok(Some(_))`: a live record exists, the transaction is rolled back.
-fn claim_blocking(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, DbError> {
-    for _ in 0..CLAIM_ROUNDS {
-        if insert_blocking(conn, claim)? {
-            return Ok(None);
-        }
-        match reread_blocking(conn, claim)? {
-            Existing::Live(stored) => {
-                conn.rollback().map_err(db_error)?;
-                return Ok(Some(stored));
-            }
-            Existing::Expired => {
-                if replace_expired_blocking(conn, claim)? {
-                    return Ok(None);
-                }
-            }
-            Existing::Vanished => {}
-        }
-        // The conflicting record vanished or was taken over between statements.
-    }
-    Err(DbError::new(
-        ENGINE,
-        ErrorKind::Transient,
-        "the conflicting record kept changing during the claim",
-    ))
-}
-
 /// Stores the response (requests) and commits.
 fn complete_blocking(
     conn: &Connection,
@@ -660,32 +616,100 @@ fn expired_during_effect() -> DbError {
     )
 }
 
-/// What a claim on the blocking pool ended with.
-enum Claiming {
-    Won,
-    Found(Stored),
-    InFlight,
+/// A claim's open transaction: the leased session (its call timeout bounded by the
+/// wait), the claim's owned copy for the blocking pool, and the session's own call
+/// timeout to give back.
+pub struct OracleOpen {
+    lease: Lease<Oracle>,
+    claim: Arc<ClaimOwned>,
+    previous: Option<Duration>,
 }
 
-/// The claim under a call timeout of [`ClaimOwned::wait`]: an INSERT still waiting for a
-/// concurrent holder of the identity when it elapses is cancelled (DPI-1067); the
-/// transaction is rolled back and the claim answers in-flight. The connection's own call
-/// timeout is restored afterwards (the effect is not bounded by it).
-fn claim_bounded(conn: &Connection, claim: &ClaimOwned) -> Result<Claiming, DbError> {
-    let previous = conn.call_timeout().map_err(db_error)?;
-    conn.set_call_timeout(Some(claim.wait)).map_err(db_error)?;
-    let claimed = claim_blocking(conn, claim);
-    let restored = conn.set_call_timeout(previous).map_err(db_error);
-    match (claimed, restored) {
-        (Ok(None), Ok(())) => Ok(Claiming::Won),
-        (Ok(Some(stored)), Ok(())) => Ok(Claiming::Found(stored)),
-        (Err(e), _) if matches!(e.code(), Some("DPI-1067" | "ORA-03156")) => {
-            // A failed rollback leaves the transaction open: the lease then closes the
-            // connection, which rolls back on the server.
-            let _ = conn.rollback();
-            Ok(Claiming::InFlight)
-        }
-        (Err(e), _) | (Ok(_), Err(e)) => Err(rollback_after(conn, e)),
+impl fmt::Debug for OracleOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OracleOpen").finish_non_exhaustive()
+    }
+}
+
+/// The claim's steps, each one call on the blocking pool; the decision tree is
+/// [`idem_core::claim::run`]'s. A conflict is ORA-00001 on a plain `INSERT`. The whole
+/// claim runs under a call timeout of [`Claim::wait`]: an `INSERT` still waiting for a
+/// concurrent holder when it elapses is cancelled (DPI-1067), and the claim answers
+/// in-flight. The connection's own call timeout is restored afterwards (the effect is
+/// not bounded by it).
+impl ClaimSteps for OracleBackend {
+    type Open = OracleOpen;
+    type Won = OracleTx;
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<OracleOpen>, DbError> {
+        let claim = Arc::new(ClaimOwned::new(claim)?);
+        let mut lease = self.lease().await?;
+        let wait = claim.wait;
+        let previous = lease
+            .run(move |c| {
+                let previous = c.call_timeout().map_err(db_error)?;
+                c.set_call_timeout(Some(wait)).map_err(db_error)?;
+                Ok::<_, DbError>(previous)
+            })
+            .await?;
+        Ok(Begun::Open(OracleOpen {
+            lease,
+            claim,
+            previous,
+        }))
+    }
+
+    async fn insert(&self, open: &mut OracleOpen, _claim: &Claim<'_>) -> Result<bool, DbError> {
+        let claim = Arc::clone(&open.claim);
+        open.lease.run(move |c| insert_blocking(c, &claim)).await
+    }
+
+    async fn reread(&self, open: &mut OracleOpen, _claim: &Claim<'_>) -> Result<Existing, DbError> {
+        let claim = Arc::clone(&open.claim);
+        open.lease.run(move |c| reread_blocking(c, &claim)).await
+    }
+
+    async fn replace_expired(
+        &self,
+        open: &mut OracleOpen,
+        _claim: &Claim<'_>,
+    ) -> Result<bool, DbError> {
+        let claim = Arc::clone(&open.claim);
+        open.lease
+            .run(move |c| replace_expired_blocking(c, &claim))
+            .await
+    }
+
+    async fn ready(&self, open: &mut OracleOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
+        let previous = open.previous;
+        open.lease
+            .run(move |c| c.set_call_timeout(previous).map_err(db_error))
+            .await
+    }
+
+    fn won(&self, open: OracleOpen, _claim: &Claim<'_>) -> OracleTx {
+        OracleTx { lease: open.lease }
+    }
+
+    async fn rollback(&self, open: OracleOpen) -> Result<(), DbError> {
+        let OracleOpen {
+            mut lease,
+            previous,
+            ..
+        } = open;
+        // A failed rollback leaves the transaction open: the lease then closes the
+        // connection, which rolls back on the server.
+        lease
+            .run(move |c| {
+                let restored = c.set_call_timeout(previous).map_err(db_error);
+                let ended = c.rollback().map_err(db_error);
+                restored.and(ended)
+            })
+            .await
+    }
+
+    fn waited_too_long(&self, error: &DbError) -> bool {
+        matches!(error.code(), Some("DPI-1067" | "ORA-03156"))
     }
 }
 
@@ -706,14 +730,7 @@ impl Backend for OracleBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<OracleTx>, DbError> {
-        let claim = ClaimOwned::new(claim)?;
-        let mut lease = self.lease().await?;
-        let claimed = lease.run(move |c| claim_bounded(c, &claim)).await?;
-        Ok(match claimed {
-            Claiming::Found(stored) => Claimed::Found(stored),
-            Claiming::InFlight => Claimed::InFlight,
-            Claiming::Won => Claimed::Won(OracleTx { lease }),
-        })
+        claim::run(self, claim).await
     }
 
     async fn finish(
@@ -963,7 +980,8 @@ mod tests {
             "execute",
         ));
         // No connection is opened: classification needs none.
-        let backend = OracleBackend::unconnected(ConnectOptions::new("u", "p", "h:1/svc"));
+        let backend =
+            OracleBackend::unconnected(ConnectOptions::new("u", "p", "h:1/svc")).expect("pool");
         let wrapped = Wrapper(deadlock);
         let err: &(dyn StdError + 'static) = &wrapped;
         let kinds: Vec<Option<ErrorKind>> = std::iter::successors(Some(err), |e| (*e).source())

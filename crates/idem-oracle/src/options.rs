@@ -1,7 +1,9 @@
 //! Connection options and the `oracle://` URL.
 
 use std::fmt;
+use std::time::Duration;
 
+use idem_core::blocking::{DEFAULT_ACQUIRE_TIMEOUT, PoolOptions};
 use idem_core::{DbError, ErrorKind};
 
 const ENGINE: &str = "oracle";
@@ -22,6 +24,7 @@ pub struct ConnectOptions {
     password: String,
     connect_string: String,
     max_connections: usize,
+    acquire_timeout: Duration,
 }
 
 impl fmt::Debug for ConnectOptions {
@@ -31,6 +34,7 @@ impl fmt::Debug for ConnectOptions {
             .field("password", &"<redacted>")
             .field("connect_string", &self.connect_string)
             .field("max_connections", &self.max_connections)
+            .field("acquire_timeout", &self.acquire_timeout)
             .finish()
     }
 }
@@ -81,6 +85,7 @@ impl ConnectOptions {
             password: password.into(),
             connect_string: connect_string.into(),
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
         }
     }
 
@@ -204,6 +209,21 @@ impl ConnectOptions {
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.clamp(1, MAX_CONNECTIONS_LIMIT);
         self
+    }
+
+    /// How long a call waits for a free pooled connection before it fails with a
+    /// connection error naming the acquire timeout (default 30 s). The same option name
+    /// on every engine.
+    #[must_use]
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
+        self
+    }
+
+    /// The pool's settings: [`ConnectOptions::max_connections`] and
+    /// [`ConnectOptions::acquire_timeout`].
+    pub fn pool_options(&self) -> PoolOptions {
+        PoolOptions::new(self.max_connections).acquire_timeout(self.acquire_timeout)
     }
 
     /// The user name.

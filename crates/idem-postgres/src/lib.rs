@@ -49,9 +49,10 @@ use std::error::Error as StdError;
 use std::str::FromStr;
 use std::time::Duration;
 
+use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
-    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
-    Stored, Table,
+    Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration,
+    PoolOptions, Status, Stored, Table,
 };
 pub use sqlx;
 use sqlx::postgres::PgConnection;
@@ -77,10 +78,6 @@ pub const MIGRATIONS: &[Migration] = &[
     },
 ];
 
-/// How often a claim re-tries inside one transaction when the conflicting record
-/// vanished (purged) or was replaced under it.
-const CLAIM_ROUNDS: usize = 3;
-
 /// An idem backend on a PostgreSQL pool.
 #[derive(Debug, Clone)]
 pub struct PgBackend {
@@ -102,13 +99,25 @@ impl PgBackend {
         options: PgConnectOptions,
         max_connections: u32,
     ) -> Result<Self, DbError> {
+        let pool = PoolOptions::new(usize::try_from(max_connections).unwrap_or(usize::MAX))
+            .acquire_timeout(Duration::from_secs(10));
+        Self::connect_pooled(options, pool).await
+    }
+
+    /// Connects with explicit options and the pool settings every idem engine takes
+    /// under the same names: `max_connections` and `acquire_timeout` (how long a call
+    /// waits for a free connection before it fails with a connection error).
+    pub async fn connect_pooled(
+        options: PgConnectOptions,
+        pool: PoolOptions,
+    ) -> Result<Self, DbError> {
         let probe = PgConnection::connect_with(&options)
             .await
             .map_err(db_error)?;
         probe.close().await.map_err(db_error)?;
         PgPoolOptions::new()
-            .max_connections(max_connections)
-            .acquire_timeout(Duration::from_secs(10))
+            .max_connections(u32::try_from(pool.max_connections.max(1)).unwrap_or(u32::MAX))
+            .acquire_timeout(pool.acquire_timeout)
             .connect_with(options)
             .await
             .map(Self::from_pool)
@@ -152,122 +161,151 @@ fn lock_timeout(wait: Duration) -> String {
     format!("{ms}ms")
 }
 
-/// Claims inside `tx`: `Ok(None)` when this transaction won, `Ok(Some(stored))` for a
-/// committed, live record.
-async fn claim_in(tx: &mut PgConnection, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
-    let retention = secs(claim.retention);
-    for _ in 0..CLAIM_ROUNDS {
-        let (inserted, found) = match claim.id {
-            Identity::Request { scope, key } => {
-                let (p, o, k) = (
-                    scope.principal.as_str(),
-                    scope.operation.as_str(),
-                    key.as_str(),
-                );
-                let inserted = sqlx::query(sql::INSERT_REQUEST)
-                    .bind(p)
-                    .bind(o)
-                    .bind(k)
-                    .bind(claim.request)
-                    .bind(retention)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db_error)?
-                    .rows_affected();
-                if inserted == 1 {
-                    return Ok(None);
-                }
-                let row = sqlx::query(sql::SELECT_REQUEST)
-                    .bind(p)
-                    .bind(o)
-                    .bind(k)
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .map_err(db_error)?;
-                let found = match row {
-                    None => None,
-                    Some(row) => Some((
-                        row.try_get::<bool, _>(3).map_err(db_error)?,
-                        stored_request(&row)?,
-                    )),
-                };
-                if let Some((true, _)) = found {
-                    let replaced = sqlx::query(sql::REPLACE_EXPIRED_REQUEST)
-                        .bind(p)
-                        .bind(o)
-                        .bind(k)
-                        .bind(claim.request)
-                        .bind(retention)
-                        .execute(&mut *tx)
-                        .await
-                        .map_err(db_error)?
-                        .rows_affected();
-                    (replaced, None)
-                } else {
-                    (0, found.map(|(_, s)| s))
-                }
-            }
+/// A claim's open transaction, with the session's own `lock_timeout` to give back.
+#[derive(Debug)]
+pub struct PgOpen {
+    tx: PgTx,
+    session_lock_timeout: String,
+}
+
+impl PgBackend {
+    /// Runs one of the claim's writes (`INSERT … ON CONFLICT DO NOTHING` or the guarded
+    /// takeover of an expired record); both take the key, the request and the retention.
+    async fn claim_write(
+        tx: &mut PgConnection,
+        claim: &Claim<'_>,
+        request_sql: &'static str,
+        message_sql: &'static str,
+    ) -> Result<bool, DbError> {
+        let query = match claim.id {
+            Identity::Request { scope, key } => sqlx::query(request_sql)
+                .bind(scope.principal.as_str())
+                .bind(scope.operation.as_str())
+                .bind(key.as_str()),
             Identity::Message {
                 subscriber,
                 message_id,
-            } => {
-                let (s, m) = (subscriber.as_str(), message_id.as_str());
-                let inserted = sqlx::query(sql::INSERT_MESSAGE)
-                    .bind(s)
-                    .bind(m)
-                    .bind(claim.request)
-                    .bind(retention)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db_error)?
-                    .rows_affected();
-                if inserted == 1 {
-                    return Ok(None);
-                }
-                let row = sqlx::query(sql::SELECT_MESSAGE)
-                    .bind(s)
-                    .bind(m)
-                    .fetch_optional(&mut *tx)
-                    .await
-                    .map_err(db_error)?;
-                match row {
-                    Some(row) if row.try_get::<bool, _>(1).map_err(db_error)? => {
-                        let replaced = sqlx::query(sql::REPLACE_EXPIRED_MESSAGE)
-                            .bind(s)
-                            .bind(m)
-                            .bind(claim.request)
-                            .bind(retention)
-                            .execute(&mut *tx)
-                            .await
-                            .map_err(db_error)?
-                            .rows_affected();
-                        (replaced, None)
-                    }
-                    Some(row) => (
-                        0,
-                        Some(Stored {
-                            request: row.try_get(0).map_err(db_error)?,
-                            response: None,
-                            status: Status::Succeeded,
-                        }),
-                    ),
-                    None => (0, None),
-                }
-            }
+            } => sqlx::query(message_sql)
+                .bind(subscriber.as_str())
+                .bind(message_id.as_str()),
         };
-        if inserted == 1 {
-            return Ok(None);
-        }
-        if let Some(stored) = found {
-            return Ok(Some(stored));
-        }
-        // The conflicting record vanished or was replaced between statements: claim again.
+        let written = query
+            .bind(claim.request)
+            .bind(secs(claim.retention))
+            .execute(tx)
+            .await
+            .map_err(db_error)?;
+        Ok(written.rows_affected() == 1)
     }
-    Err(DbError::new(
-        "postgres",
-        ErrorKind::Transient,
-        "the conflicting record kept changing during the claim",
-    ))
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is an
+/// `INSERT` that inserted nothing (no error), and the re-read is a separate statement.
+impl ClaimSteps for PgBackend {
+    type Open = PgOpen;
+    type Won = PgTx;
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<PgOpen>, DbError> {
+        let mut tx = self.pool.begin().await.map_err(db_error)?;
+        let bound = sqlx::query_as::<_, (String, String)>(sql::SET_LOCK_TIMEOUT)
+            .bind(lock_timeout(claim.wait))
+            .fetch_one(&mut *tx)
+            .await;
+        match bound {
+            Ok((session_lock_timeout, _)) => Ok(Begun::Open(PgOpen {
+                tx,
+                session_lock_timeout,
+            })),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(db_error(e))
+            }
+        }
+    }
+
+    async fn insert(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
+        Self::claim_write(
+            &mut open.tx,
+            claim,
+            sql::INSERT_REQUEST,
+            sql::INSERT_MESSAGE,
+        )
+        .await
+    }
+
+    async fn reread(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
+        let (row, expired_column) = match claim.id {
+            Identity::Request { scope, key } => (
+                sqlx::query(sql::SELECT_REQUEST)
+                    .bind(scope.principal.as_str())
+                    .bind(scope.operation.as_str())
+                    .bind(key.as_str())
+                    .fetch_optional(&mut *open.tx)
+                    .await,
+                3,
+            ),
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => (
+                sqlx::query(sql::SELECT_MESSAGE)
+                    .bind(subscriber.as_str())
+                    .bind(message_id.as_str())
+                    .fetch_optional(&mut *open.tx)
+                    .await,
+                1,
+            ),
+        };
+        let Some(row) = row.map_err(db_error)? else {
+            return Ok(Existing::Vanished);
+        };
+        if row.try_get::<bool, _>(expired_column).map_err(db_error)? {
+            return Ok(Existing::Expired);
+        }
+        let stored = match claim.id {
+            Identity::Request { .. } => stored_request(&row)?,
+            Identity::Message { .. } => Stored {
+                request: row.try_get(0).map_err(db_error)?,
+                response: None,
+                status: Status::Succeeded,
+            },
+        };
+        Ok(Existing::Live(stored))
+    }
+
+    async fn replace_expired(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
+        Self::claim_write(
+            &mut open.tx,
+            claim,
+            sql::REPLACE_EXPIRED_REQUEST,
+            sql::REPLACE_EXPIRED_MESSAGE,
+        )
+        .await
+    }
+
+    async fn ready(&self, open: &mut PgOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
+        // The effect runs with the session's own `lock_timeout`.
+        sqlx::query(sql::RESTORE_LOCK_TIMEOUT)
+            .bind(open.session_lock_timeout.as_str())
+            .execute(&mut *open.tx)
+            .await
+            .map(drop)
+            .map_err(db_error)
+    }
+
+    fn won(&self, open: PgOpen, _claim: &Claim<'_>) -> PgTx {
+        open.tx
+    }
+
+    async fn rollback(&self, open: PgOpen) -> Result<(), DbError> {
+        // `SET LOCAL` ends with the transaction. A failed rollback closes the connection,
+        // which rolls back on the server.
+        open.tx.rollback().await.map_err(db_error)
+    }
+
+    fn waited_too_long(&self, error: &DbError) -> bool {
+        error.code() == Some(error_codes::LOCK_NOT_AVAILABLE)
+    }
 }
 
 /// The error of a completion that found no unfinished, unexpired record.
@@ -327,41 +365,7 @@ impl Backend for PgBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<PgTx>, DbError> {
-        let mut tx = self.pool.begin().await.map_err(db_error)?;
-        let claimed = async {
-            let (session_value, _): (String, String) = sqlx::query_as(sql::SET_LOCK_TIMEOUT)
-                .bind(lock_timeout(claim.wait))
-                .fetch_one(&mut *tx)
-                .await
-                .map_err(db_error)?;
-            let found = claim_in(&mut tx, claim).await?;
-            if found.is_none() {
-                sqlx::query(sql::RESTORE_LOCK_TIMEOUT)
-                    .bind(session_value)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db_error)?;
-            }
-            Ok::<_, DbError>(found)
-        }
-        .await;
-        match claimed {
-            Ok(None) => Ok(Claimed::Won(tx)),
-            Ok(Some(stored)) => {
-                tx.rollback().await.map_err(db_error)?;
-                Ok(Claimed::Found(stored))
-            }
-            Err(e) => {
-                // The first error is the one to report; a failed rollback closes the
-                // connection, which rolls back on the server.
-                let _ = tx.rollback().await;
-                if e.code() == Some(error_codes::LOCK_NOT_AVAILABLE) {
-                    Ok(Claimed::InFlight)
-                } else {
-                    Err(e)
-                }
-            }
-        }
+        claim::run(self, claim).await
     }
 
     async fn finish(

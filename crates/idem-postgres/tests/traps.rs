@@ -304,3 +304,36 @@ async fn a_consumer_effect_that_ends_the_transaction_is_not_applied() {
     assert_eq!(n, 0);
     drop_private(admin, backend, schema).await;
 }
+
+/// `max_connections` and `acquire_timeout`, the pool settings every engine takes under
+/// the same names: with the only connection held, a call fails with a connection error
+/// once the acquire timeout passes, instead of waiting on.
+#[tokio::test]
+async fn acquisition_is_bounded_by_the_acquire_timeout() {
+    let (admin, backend, schema) = private("acquire").await;
+    let options = PgConnectOptions::from_str(&url())
+        .unwrap()
+        .options([("search_path", schema.as_str())]);
+    let pool = idem_core::PoolOptions::new(1).acquire_timeout(Duration::from_millis(200));
+    let small = PgBackend::connect_pooled(options, pool).await.unwrap();
+    let held = small.pool().acquire().await.unwrap();
+    let err = tokio::time::timeout(
+        HANG_GUARD,
+        small.purge_batch(idem_core::Table::Requests, Duration::ZERO, 10),
+    )
+    .await
+    .expect("the acquire timeout bounds the wait")
+    .expect_err("no free connection");
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+    drop(held);
+    assert_eq!(
+        small
+            .purge_batch(idem_core::Table::Requests, Duration::ZERO, 10)
+            .await
+            .unwrap(),
+        0,
+        "the freed connection serves the next call"
+    );
+    small.pool().close().await;
+    drop_private(admin, backend, schema).await;
+}

@@ -70,7 +70,8 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use idem_core::blocking::{BlockingPool, Lease, Manager};
+use idem_core::blocking::{BlockingPool, DEFAULT_ACQUIRE_TIMEOUT, Lease, Manager, PoolOptions};
+use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration, Status,
     Stored, Table,
@@ -164,15 +165,18 @@ impl Synchronous {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SqliteOptions {
     max_connections: usize,
+    acquire_timeout: Duration,
     busy_timeout: Duration,
     synchronous: Synchronous,
 }
 
 impl Default for SqliteOptions {
-    /// 16 connections (1 in memory), a 5 s busy timeout, `synchronous=FULL`.
+    /// 16 connections (1 in memory), waited for at most 30 s, a 5 s busy timeout,
+    /// `synchronous=FULL`.
     fn default() -> Self {
         Self {
             max_connections: 16,
+            acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
             busy_timeout: Duration::from_secs(5),
             synchronous: Synchronous::Full,
         }
@@ -184,6 +188,15 @@ impl SqliteOptions {
     #[must_use]
     pub fn max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
+        self
+    }
+
+    /// How long a call waits for a free pooled connection before it fails with a
+    /// connection error naming the acquire timeout (default 30 s). The same option name
+    /// on every engine.
+    #[must_use]
+    pub fn acquire_timeout(mut self, d: Duration) -> Self {
+        self.acquire_timeout = d;
         self
     }
 
@@ -320,7 +333,10 @@ impl SqliteBackend {
             synchronous: options.synchronous,
         };
         let backend = Self {
-            pool: BlockingPool::new(manager, max),
+            pool: BlockingPool::new(
+                manager,
+                PoolOptions::new(max).acquire_timeout(options.acquire_timeout),
+            )?,
             in_flight: InFlight::default(),
             holder: Holder::default(),
         };
@@ -403,9 +419,9 @@ impl SqliteBackend {
     /// The answer when a claim could not start in time: [`Claimed::InFlight`] when this
     /// backend knows the same identity is claimed by an open transaction, else the
     /// retryable busy error (another key holds the write lock).
-    fn not_in_time(&self, id: &IdOwned, busy: DbError) -> Result<Claimed<SqliteTx>, DbError> {
+    fn not_in_time(&self, id: &IdOwned, busy: DbError) -> Result<Begun<SqliteOpen>, DbError> {
         if self.is_in_flight(id) {
-            Ok(Claimed::InFlight)
+            Ok(Begun::InFlight)
         } else {
             Err(busy)
         }
@@ -590,6 +606,137 @@ impl From<&Claim<'_>> for ClaimOwned {
     }
 }
 
+/// A claim's open `BEGIN IMMEDIATE` transaction (the write lock is held), with the
+/// claim's owned copy for the blocking pool and the database clock read when it was won.
+pub struct SqliteOpen {
+    lease: Lease<Sqlite>,
+    claim: Arc<ClaimOwned>,
+    claimed_at: i64,
+}
+
+impl fmt::Debug for SqliteOpen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqliteOpen").finish_non_exhaustive()
+    }
+}
+
+/// The error of a placeholder step, which SQLite's read-first claim never takes.
+fn read_first_only() -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        "internal: SQLite's claim is read-first (Capabilities::read_first); it writes no \
+         placeholder",
+    )
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. SQLite declares
+/// [`Capabilities::read_first`]: `BEGIN IMMEDIATE` takes the database's write lock (its
+/// wait bounded by the claim's wait), so no other writer can claim anything until this
+/// transaction ends; the claim is one read of a live record, and the record is written
+/// once, with its response, by the completion.
+impl ClaimSteps for SqliteBackend {
+    type Open = SqliteOpen;
+    type Won = SqliteTx;
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new().read_first(true)
+    }
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<SqliteOpen>, DbError> {
+        let wait = claim.wait;
+        let claim = Arc::new(ClaimOwned::from(claim));
+        let busy = || {
+            DbError::new(
+                ENGINE,
+                ErrorKind::Busy,
+                format!("the database stayed locked for the claim's wait bound ({wait:?})"),
+            )
+        };
+        let Some(mut lease) = self.lease_within(wait).await? else {
+            return self.not_in_time(&claim.id, busy());
+        };
+        let busy_timeout = self.pool.manager().busy_timeout.min(wait);
+        let configured = self.pool.manager().busy_timeout;
+        let begun = lease
+            .run(move |c| -> Result<(), DbError> {
+                // The wait for the write lock is bounded by the claim's wait.
+                c.busy_timeout(busy_timeout).map_err(db_error)?;
+                let begun = c.execute_batch(sql::BEGIN_IMMEDIATE);
+                c.busy_timeout(configured).map_err(db_error)?;
+                begun.map_err(db_error)
+            })
+            .await;
+        match begun {
+            Ok(()) => Ok(Begun::Open(SqliteOpen {
+                lease,
+                claim,
+                claimed_at: 0,
+            })),
+            Err(e) if e.kind() == ErrorKind::Busy => self.not_in_time(&claim.id, e),
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn insert(&self, _: &mut SqliteOpen, _: &Claim<'_>) -> Result<bool, DbError> {
+        Err(read_first_only())
+    }
+
+    async fn reread(&self, open: &mut SqliteOpen, _claim: &Claim<'_>) -> Result<Existing, DbError> {
+        let claim = Arc::clone(&open.claim);
+        let found = open.lease.run(move |c| read_record(c, &claim)).await?;
+        // The read sees live records only: an expired one is overwritten at completion.
+        Ok(found.map_or(Existing::Vanished, Existing::Live))
+    }
+
+    async fn replace_expired(&self, _: &mut SqliteOpen, _: &Claim<'_>) -> Result<bool, DbError> {
+        Err(read_first_only())
+    }
+
+    async fn ready(&self, open: &mut SqliteOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
+        open.claimed_at = open
+            .lease
+            .run(|c| c.query_row(sql::NOW, [], |r| r.get::<_, i64>(0)))
+            .await
+            .map_err(db_error)?;
+        Ok(())
+    }
+
+    fn won(&self, open: SqliteOpen, _claim: &Claim<'_>) -> SqliteTx {
+        let id = open.claim.id.clone();
+        lock(&self.in_flight).insert(id.clone());
+        if self.pool.manager().location == Location::Memory {
+            *self
+                .holder
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
+        }
+        SqliteTx {
+            lease: open.lease,
+            claimed_at: open.claimed_at,
+            _claimed: InFlightGuard {
+                in_flight: Arc::clone(&self.in_flight),
+                id,
+                holder: Arc::clone(&self.holder),
+            },
+        }
+    }
+
+    async fn rollback(&self, mut open: SqliteOpen) -> Result<(), DbError> {
+        // A connection still inside the transaction is rolled back by the pool before
+        // reuse.
+        open.lease
+            .run(|c| c.execute_batch(sql::ROLLBACK))
+            .await
+            .map_err(db_error)
+    }
+
+    fn waited_too_long(&self, _error: &DbError) -> bool {
+        // The only bounded wait is `begin`'s, which answers in-flight itself.
+        false
+    }
+}
+
 impl Backend for SqliteBackend {
     type Tx = SqliteTx;
 
@@ -605,71 +752,7 @@ impl Backend for SqliteBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<SqliteTx>, DbError> {
-        let wait = claim.wait;
-        let claim = ClaimOwned::from(claim);
-        let busy = || {
-            DbError::new(
-                ENGINE,
-                ErrorKind::Busy,
-                format!("the database stayed locked for the claim's wait bound ({wait:?})"),
-            )
-        };
-        let Some(mut lease) = self.lease_within(wait).await? else {
-            return self.not_in_time(&claim.id, busy());
-        };
-        let busy_timeout = self.pool.manager().busy_timeout.min(wait);
-        let configured = self.pool.manager().busy_timeout;
-        let id = claim.id.clone();
-        let found = lease
-            .run(move |c| -> Result<Result<Stored, i64>, DbError> {
-                // The wait for the write lock is bounded by the claim's wait.
-                c.busy_timeout(busy_timeout).map_err(db_error)?;
-                let begun = c.execute_batch(sql::BEGIN_IMMEDIATE);
-                c.busy_timeout(configured).map_err(db_error)?;
-                begun.map_err(db_error)?;
-                let read = read_record(c, &claim).and_then(|found| match found {
-                    Some(stored) => Ok(Ok(stored)),
-                    None => c
-                        .query_row(sql::NOW, [], |r| r.get::<_, i64>(0))
-                        .map(Err)
-                        .map_err(db_error),
-                });
-                match read {
-                    Ok(Ok(stored)) => {
-                        c.execute_batch(sql::ROLLBACK).map_err(db_error)?;
-                        Ok(Ok(stored))
-                    }
-                    Ok(Err(now)) => Ok(Err(now)),
-                    Err(e) => {
-                        let _ = c.execute_batch(sql::ROLLBACK);
-                        Err(e)
-                    }
-                }
-            })
-            .await;
-        match found {
-            Ok(Ok(stored)) => Ok(Claimed::Found(stored)),
-            Ok(Err(claimed_at)) => {
-                lock(&self.in_flight).insert(id.clone());
-                if self.pool.manager().location == Location::Memory {
-                    *self
-                        .holder
-                        .lock()
-                        .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
-                }
-                Ok(Claimed::Won(SqliteTx {
-                    lease,
-                    claimed_at,
-                    _claimed: InFlightGuard {
-                        in_flight: Arc::clone(&self.in_flight),
-                        id,
-                        holder: Arc::clone(&self.holder),
-                    },
-                }))
-            }
-            Err(e) if e.kind() == ErrorKind::Busy => self.not_in_time(&id, e),
-            Err(e) => Err(e),
-        }
+        claim::run(self, claim).await
     }
 
     async fn finish(

@@ -6,6 +6,9 @@ pub use idem_core::{
     MessageId, Operation, Outcome, Principal, PurgeReport, Request, RetryPolicy, Scope, Subscriber,
 };
 
+/// HTTP `Idempotency-Key` for axum (feature `axum`): see `docs/http.md`.
+#[cfg(feature = "axum")]
+pub use idem_axum as axum;
 /// Idempotent consumers on RabbitMQ (feature `amqp`) and NATS JetStream (feature `nats`).
 #[cfg(any(feature = "amqp", feature = "nats"))]
 pub use idem_consumer as consumer;
