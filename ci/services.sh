@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Makes the required engines answer: PostgreSQL and MariaDB.
+# Makes the required engines answer: PostgreSQL and MariaDB; and the brokers of the
+# consumer tests: RabbitMQ and NATS with JetStream.
 # For a URL on this machine it starts the local server, and on a fresh Debian machine (as
 # root) installs it with apt-get first. A URL elsewhere (a CI service container) is only
 # waited for. An engine that still does not answer fails the run.
@@ -75,4 +76,39 @@ ensure_mariadb() {
     mariadb -h "$host" -P "$port" -uroot -e "CREATE DATABASE IF NOT EXISTS \`$db\`" >&2 || true
   fi
   log "MySQL/MariaDB answers at $host:$port"
+}
+
+ensure_rabbitmq() {
+  local url=$1 host port
+  host=$(host_of "$url"); port=$(port_of "$url" 5672)
+  answers "$host" "$port" && { log "RabbitMQ answers at $host:$port"; return; }
+  is_local "$host" || { wait_for rabbitmq "$host" "$port" || die "RabbitMQ at $host:$port does not answer"; return; }
+  if [ ! -x /usr/sbin/rabbitmq-server ]; then apt_install rabbitmq-server; fi
+  log "starting RabbitMQ"
+  rabbitmq-server -detached >&2 || true
+  # The first start of a fresh node takes a while.
+  for _ in $(seq 1 120); do answers "$host" "$port" && break; sleep 1; done
+  answers "$host" "$port" || die "RabbitMQ did not start on $host:$port"
+  log "RabbitMQ answers at $host:$port"
+}
+
+ensure_nats() {
+  local url=$1 host port
+  host=$(host_of "$url"); port=$(port_of "$url" 4222)
+  answers "$host" "$port" && { log "NATS answers at $host:$port"; return; }
+  is_local "$host" || { wait_for nats "$host" "$port" || die "NATS at $host:$port does not answer"; return; }
+  if [ ! -x /usr/sbin/nats-server ]; then apt_install nats-server; fi
+  log "starting NATS with JetStream"
+  mkdir -p /var/lib/nats-server
+  start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
+    -a 127.0.0.1 -p "$port" -js -sd /var/lib/nats-server -l /var/log/nats-server.log >&2
+  wait_for nats "$host" "$port" || die "NATS did not start on $host:$port"
+  log "NATS answers at $host:$port"
+}
+
+# PostgreSQL's server programs (initdb, pg_ctl), for the test that starts and stops a private
+# instance on its own port (the shared server is never stopped).
+ensure_postgres_binaries() {
+  ls /usr/lib/postgresql/*/bin/pg_ctl >/dev/null 2>&1 && return
+  apt_install postgresql
 }

@@ -2,13 +2,16 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), `idem serve` through a real HTTP client on each required engine, and the
+# name otherwise), `idem serve` through a real HTTP client on each required engine, the broker
+# consumer tests (RabbitMQ and NATS JetStream, required) on each required engine, and the
 # README's walkthrough on each required engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export IDEM_POSTGRES_URL=${IDEM_POSTGRES_URL:-postgres://postgres@127.0.0.1:5432/postgres}
 export IDEM_MYSQL_URL=${IDEM_MYSQL_URL:-mysql://root@127.0.0.1:3306/test}
+export IDEM_AMQP_URL=${IDEM_AMQP_URL:-amqp://guest:guest@127.0.0.1:5672/%2f}
+export IDEM_NATS_URL=${IDEM_NATS_URL:-nats://127.0.0.1:4222}
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 # A clean run gains nothing from incremental caches, which take gigabytes of disk.
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
@@ -22,6 +25,9 @@ source ci/services.sh
 step "services"
 if wants postgres; then ensure_postgres "$IDEM_POSTGRES_URL"; fi
 if wants mysql; then ensure_mariadb "$IDEM_MYSQL_URL"; fi
+ensure_rabbitmq "$IDEM_AMQP_URL"
+ensure_nats "$IDEM_NATS_URL"
+if wants postgres; then ensure_postgres_binaries; fi
 
 step "format"
 cargo fmt --all --check
@@ -33,6 +39,11 @@ step "each engine feature on its own (what a user picking one engine compiles)"
 cargo clippy --locked -p idem-db --no-default-features -- -D warnings
 for feature in sqlite postgres mysql mssql oracle; do
   cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
+done
+# The broker clients are opt-in: neither, either, or both.
+cargo clippy --locked -p idem-consumer --no-default-features -- -D warnings
+for feature in amqp nats; do
+  cargo clippy --locked -p idem-consumer --no-default-features --features "$feature" -- -D warnings
 done
 
 step "documentation (warnings denied)"
@@ -98,6 +109,12 @@ if wants sqlite && wants postgres && wants mysql; then
   step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
   cargo test --locked -p idem-cli --all-features --test cli
 fi
+# The consumer processes under test are the `idem` binary built above.
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  step "idempotent consumers on RabbitMQ and NATS JetStream: $engine"
+  cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
+done
 
 step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
 for target in cockroach yugabyte citus tidb; do

@@ -98,7 +98,7 @@ pub(crate) async fn probe<K: Bank>(url: &str) -> Result<(), Fail> {
     Ok(())
 }
 
-async fn connected<K: Bank>(url: &str) -> Result<K, Fail> {
+pub(crate) async fn connected<K: Bank>(url: &str) -> Result<K, Fail> {
     let bank = connect_within(url, K::connect(url, None)).await?;
     bank.setup().await?;
     Ok(bank)

@@ -3,6 +3,8 @@
 
 mod bench;
 mod commands;
+#[cfg(any(feature = "amqp", feature = "nats"))]
+mod consume;
 mod demo;
 mod fail;
 mod serve;
@@ -117,6 +119,15 @@ enum Command {
         #[arg(long, allow_negative_numbers = true)]
         amount: i64,
     },
+    /// Credit the demo account once per message from RabbitMQ (--amqp, --queue) or NATS
+    /// JetStream (--nats, --stream, --consumer), acknowledging only after the commit.
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    #[command(after_long_help = consume::MESSAGE_FORMAT)]
+    Consume(consume::ConsumeArgs),
+    /// Publish demo messages (chosen IDs, duplicates on purpose) to RabbitMQ or JetStream.
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    #[command(after_long_help = consume::MESSAGE_FORMAT)]
+    Publish(consume::PublishArgs),
     /// Measure the protocol's paths beside the bare effect on this database (SQLite,
     /// PostgreSQL, MySQL/MariaDB), in a private namespace removed afterwards: throughput,
     /// p50/p99 latency, the ratios new ÷ bare, replay ÷ read, new ÷ server-side function,
@@ -263,6 +274,12 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         } => {
             with_bank!(url, K => commands::credit_message::<K>(url, &subscriber, &message_id, account, amount).await)
         }
+        #[cfg(any(feature = "amqp", feature = "nats"))]
+        Command::Consume(args) => {
+            with_bank!(url, K => consume::consume::<K>(url, args).await)
+        }
+        #[cfg(any(feature = "amqp", feature = "nats"))]
+        Command::Publish(args) => consume::publish(args).await,
         Command::Bench {
             clients,
             duration,

@@ -9,6 +9,9 @@ pub use idem_core::{
 /// HTTP `Idempotency-Key` for axum (feature `axum`): see `docs/http.md`.
 #[cfg(feature = "axum")]
 pub use idem_axum as axum;
+/// Idempotent consumers on RabbitMQ (feature `amqp`) and NATS JetStream (feature `nats`).
+#[cfg(any(feature = "amqp", feature = "nats"))]
+pub use idem_consumer as consumer;
 #[cfg(feature = "mssql")]
 pub use idem_mssql as mssql;
 #[cfg(feature = "mysql")]
