@@ -170,7 +170,7 @@ impl Bank for MssqlBank {
                     placeholder completed before `COMMIT`",
         key_columns: "`varbinary(255)` bound as bytes (string comparison pads trailing spaces even \
                           under BIN2; NUL refused before SQL)",
-        json_storage: "`nvarchar(max)` (kept verbatim; compared as values in Rust)",
+        json_storage: "`nvarchar(max)` (kept verbatim; compared as canonical text)",
         retried: "1205 deadlock victim, 1222 lock timeout, 3960/3961 snapshot conflicts \
                       (SNAPSHOT: an invisible winner is retried as a transient conflict); a claim's \
                       1222 after `SET LOCK_TIMEOUT` = the wait bound answers InProgress instead",

@@ -151,7 +151,7 @@ impl Bank for MysqlBank {
     const DOCUMENTED: Capabilities = Capabilities {
         claim: "plain `INSERT` classified by error 1062, then a locking re-read (`LOCK IN SHARE MODE`, REPEATABLE READ); placeholder completed before `COMMIT`",
         key_columns: "`VARBINARY(255)` (byte equality; `utf8mb4_bin` would pad spaces)",
-        json_storage: "`LONGTEXT` `utf8mb4_bin`, stored verbatim (compared as values in Rust)",
+        json_storage: "`LONGTEXT` `utf8mb4_bin`, stored verbatim (compared as canonical text)",
         retried: "1213 deadlock, 1205 lock wait timeout (3572 NOWAIT on MySQL); a claim's 1205 after `innodb_lock_wait_timeout` = the wait bound answers InProgress instead",
         concurrent_sessions: true,
         versions: "MariaDB 10.11 (tested live here); MySQL 8.4 written for, not tested live here",

@@ -185,7 +185,7 @@ impl Bank for OracleBank {
     const DOCUMENTED: Capabilities = Capabilities {
         claim: "plain `INSERT` catching ORA-00001 (it waits for an uncommitted duplicate), then a separate `SELECT` (READ COMMITTED: a new statement sees the winner's commit); an expired record is taken over by a guarded `UPDATE`; placeholder completed before `COMMIT`",
         key_columns: "`RAW(255)` bound as bytes: binary comparison whatever `NLS_COMP`/`NLS_SORT`; `''` is NULL in Oracle, so empty keys are refused before SQL",
-        json_storage: "`CLOB` text (AL32UTF8 database character set required; compared as values in Rust)",
+        json_storage: "`CLOB` text (AL32UTF8 database character set required; compared as canonical text)",
         retried: "ORA-08177 serialization failure, ORA-00060 deadlock, ORA-00054/ORA-30006 lock wait timeouts; a claim cut by the call timeout = the wait bound (DPI-1067) answers InProgress instead",
         concurrent_sessions: true,
         versions: "Oracle Database 19c–23ai Free: expected from documentation, not verified live here",
