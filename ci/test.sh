@@ -18,7 +18,7 @@ export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # Which engines this run requires (the container matrix narrows it per job).
 IDEM_ENGINES=${IDEM_ENGINES:-"sqlite postgres mysql"}
 
-step() { printf '\n==> %s\n' "$*"; }
+step() { printf '\n==> [%ss] %s\n' "$SECONDS" "$*"; }
 wants() { [[ " $IDEM_ENGINES " == *" $1 "* ]]; }
 
 source ci/services.sh

@@ -129,7 +129,7 @@ enum Command {
     #[command(after_long_help = consume::MESSAGE_FORMAT)]
     Publish(consume::PublishArgs),
     /// Measure the protocol's paths beside the bare effect on this database (SQLite,
-    /// PostgreSQL, MySQL/MariaDB), in a private namespace removed afterwards: throughput,
+    /// PostgreSQL, MySQL/MariaDB), in a private schema, database or file removed afterwards: throughput,
     /// p50/p99 latency, the ratios new ÷ bare, replay ÷ read, new ÷ server-side function,
     /// and round trips per operation.
     Bench {

@@ -197,7 +197,7 @@ fn check_purge_and_bench_require_a_url_and_create_no_file() {
     for args in [
         &["check"][..],
         &["purge", "--older-than", "24h"][..],
-        &["bench", "--iterations", "1"][..],
+        &["bench", "--clients", "1"][..],
     ] {
         let out = idem(&dir, args);
         let stderr = text(&out.stderr);
