@@ -95,6 +95,11 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
             run: |k| Box::pin(expired_record_no_longer_replays(k)),
         },
         Case {
+            name: "effect_outliving_its_record_is_refused",
+            promise: "a record that expires while its effect runs is not committed; nothing is stored",
+            run: |k| Box::pin(effect_outliving_its_record_is_refused(k)),
+        },
+        Case {
             name: "purge_deletes_only_expired_in_batches",
             promise: "purge deletes expired records in bounded batches, never a live one",
             run: |k| Box::pin(purge_deletes_only_expired_in_batches(k)),
@@ -720,6 +725,39 @@ pub async fn expired_record_no_longer_replays<K: Bank>(bank: Arc<K>) -> CaseResu
     )?;
     expect_eq("records", bank.count_records().await?, 1)?;
     Ok(vec![])
+}
+
+/// (h) A record that expires while its effect still runs is refused at completion: the
+/// effect rolls back with it and the call fails without a retry. Otherwise a retry that
+/// took the expired key over meanwhile could run the effect a second time.
+pub async fn effect_outliving_its_record_is_refused<K: Bank>(bank: Arc<K>) -> CaseResult {
+    bank.set_balance(1, 1000).await?;
+    let idem = idem(&*bank);
+    let op = Operation::new("debit", 1)?.with_retention(Duration::from_millis(1500));
+    let scope = Scope::new(Principal::new("account-1")?, op);
+    let request = Request::new(json!({ "account": 1, "amount": 100 }));
+    let out = idem
+        .execute(&scope, &Key::new("slow")?, &request, |tx| {
+            Box::pin(async move {
+                let balance = K::debit(tx, 1, 100).await?;
+                // Outlive the record's 1.5 s window.
+                tokio::time::sleep(Duration::from_millis(2500)).await;
+                Ok::<_, BankError>(balance)
+            })
+        })
+        .await;
+    match out {
+        Err(Error::Backend(e)) if !e.kind().is_retryable() => {}
+        other => {
+            return Err(format!("an effect that outlived its record committed: {other:?}").into());
+        }
+    }
+    expect_eq("balance", bank.balance(1).await?, 1000)?;
+    expect_eq("records", bank.count_records().await?, 0)?;
+    Ok(vec![(
+        "effect slower than its record's retention",
+        "refused at completion; effect rolled back, no record".into(),
+    )])
 }
 
 /// (h) Purge deletes expired records in bounded batches and never a live one: each

@@ -205,45 +205,6 @@ async fn json_text_is_stored_byte_for_byte() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_that_expires_during_its_effect_is_refused() {
-    let db = PrivateDb::create("expired").await;
-    let idem = Idem::new(db.backend.clone());
-    let op = Operation::new("op", 1)
-        .unwrap()
-        .with_retention(Duration::from_millis(1500));
-    let scope = Scope::new(Principal::new("p").unwrap(), op);
-    let out = idem
-        .execute(
-            &scope,
-            &Key::new("slow").unwrap(),
-            &Request::new(serde_json::json!({"n": 1})),
-            |_tx| {
-                Box::pin(async {
-                    tokio::time::sleep(Duration::from_millis(2500)).await;
-                    Ok::<_, mysql_async::Error>(1)
-                })
-            },
-        )
-        .await;
-    match out {
-        Err(Error::Backend(e)) => {
-            assert!(!e.kind().is_retryable(), "{e}");
-            assert!(
-                e.to_string()
-                    .contains("the retention is shorter than the effect"),
-                "{e}"
-            );
-        }
-        other => panic!("an expired record must not commit: {other:?}"),
-    }
-    assert_eq!(
-        db.scalar("SELECT COUNT(*) FROM idem_request_result").await,
-        0
-    );
-    db.drop_database().await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claims_lock_wait_bound_does_not_apply_to_the_effect() {
     let db = PrivateDb::create("lockwait").await;
     db.exec("CREATE TABLE t (id INT PRIMARY KEY, n INT) ENGINE = InnoDB")

@@ -106,42 +106,6 @@ async fn an_effect_that_ends_the_transaction_is_not_executed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_that_expires_during_its_effect_is_refused() {
-    let (admin, backend, schema) = private("expired").await;
-    let idem = Idem::new(backend.clone());
-    let op = Operation::new("op", 1)
-        .unwrap()
-        .with_retention(Duration::from_millis(1500));
-    let scope = Scope::new(Principal::new("p").unwrap(), op);
-    let out = idem
-        .execute(
-            &scope,
-            &Key::new("slow").unwrap(),
-            &Request::new(serde_json::json!({"n": 1})),
-            |_tx| {
-                Box::pin(async {
-                    tokio::time::sleep(Duration::from_millis(2500)).await;
-                    Ok::<_, sqlx::Error>(1)
-                })
-            },
-        )
-        .await;
-    match out {
-        Err(Error::Backend(e)) => {
-            assert!(!e.kind().is_retryable(), "{e}");
-            assert!(
-                e.to_string()
-                    .contains("the retention is shorter than the effect"),
-                "{e}"
-            );
-        }
-        other => panic!("an expired record must not commit: {other:?}"),
-    }
-    assert_eq!(records(&backend).await, 0);
-    drop_private(admin, backend, schema).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_claims_lock_timeout_does_not_bound_the_effect() {
     let (admin, backend, schema) = private("locktimeout").await;
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(

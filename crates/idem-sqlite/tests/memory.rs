@@ -205,39 +205,6 @@ async fn synchronous_is_full_unless_normal_is_asked_for() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_record_that_expires_during_its_effect_is_refused() {
-    let (backend, idem) = memory().await;
-    let op = Operation::new("op", 1)
-        .unwrap()
-        .with_retention(Duration::from_millis(1500));
-    let scope = Scope::new(Principal::new("p").unwrap(), op);
-    let out = idem
-        .execute(&scope, &Key::new("slow").unwrap(), &request(), |_tx| {
-            Box::pin(async {
-                tokio::time::sleep(Duration::from_millis(2500)).await;
-                Ok::<_, DbError>(1)
-            })
-        })
-        .await;
-    match out {
-        Err(Error::Backend(e)) => {
-            assert!(!e.kind().is_retryable(), "{e}");
-            assert!(
-                e.to_string()
-                    .contains("the retention is shorter than the effect"),
-                "{e}"
-            );
-        }
-        other => panic!("an expired record must not commit: {other:?}"),
-    }
-    let records: i64 = backend
-        .interact(|c| c.query_row("SELECT count(*) FROM idem_request_result", [], |r| r.get(0)))
-        .await
-        .unwrap();
-    assert_eq!(records, 1, "only the earlier record");
-}
-
 #[tokio::test]
 async fn json_text_is_stored_byte_for_byte() {
     let (backend, idem) = memory().await;
