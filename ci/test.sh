@@ -3,8 +3,9 @@
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
 # name otherwise), `idem serve` through a real HTTP client on each required engine, the broker
-# consumer tests (RabbitMQ and NATS JetStream, required) on each required engine, and the
-# README's walkthrough on each required engine.
+# consumer tests (RabbitMQ and NATS JetStream, required) on each required engine, the
+# external-effect tests (outbox relays, the card charge under SIGKILLs), and the README's
+# walkthrough on each required engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -115,6 +116,18 @@ for engine in sqlite postgres mysql; do
   step "idempotent consumers on RabbitMQ and NATS JetStream: $engine"
   cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
 done
+
+# External effects (docs/external-effects.md): the outbox relay on both brokers, then the
+# card charge with `idem serve` SIGKILLed between every pair of phases and during the
+# provider call, under provider faults (bigger runs: IDEM_EXTERNAL_KEYS, default 12).
+if wants sqlite && wants postgres && wants mysql; then
+  step "transactional outbox: relays on RabbitMQ and NATS JetStream (sqlite, postgres, mysql)"
+  cargo test --locked -p idem-tests --all-features --test outbox
+  step "external effects: fake-provider, serve --provider, complete (idem command, every engine)"
+  cargo test --locked -p idem-cli --all-features --test orders
+  step "external effects: the card charge under SIGKILLs and provider faults (sqlite, postgres, mysql)"
+  cargo test --locked -p idem-tests --all-features --test external
+fi
 
 step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
 for target in cockroach yugabyte citus tidb; do

@@ -1,13 +1,18 @@
 -- idem: least-privilege roles for SQL Server 2019+ (written from the documentation; not
 -- verified live here). Not a migration: run it with sqlcmd (batches end with GO) as the
 -- owner (db_owner) of idem's tables, in their database and default schema, AFTER the
--- migrations (0001, 0002). It is idempotent.
+-- migrations (0001 to 0003). It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
 --                (INSERT), complete a placeholder and take over an EXPIRED record
 --                (UPDATE of request, response, status, created_at, expires_at only).
---                No DELETE, no UPDATE of the key columns.
---   idem_purger  what `idem purge` / Idem::purge need: read and delete records.
+--                No DELETE of records, no UPDATE of their key columns.
+--                Phased runs and the outbox (Idem::start, Run, Idem::relay): read,
+--                insert, update and delete runs (a run's row is rewritten by every
+--                phase, and an expired one is deleted and started again); read, insert
+--                and update outbox messages (enqueue, mark sent).
+--   idem_purger  what `idem purge` / Idem::purge need: read and delete records, runs
+--                and sent outbox messages.
 --
 -- Database roles: add your application's database users to them
 -- (ALTER ROLE idem_writer ADD MEMBER app_user;).
@@ -30,6 +35,12 @@ GRANT UPDATE (fingerprint, processed_at, expires_at) ON idem_processed_message T
 
 GRANT SELECT, DELETE ON idem_request_result TO idem_purger;
 GRANT SELECT, DELETE ON idem_processed_message TO idem_purger;
+GO
+
+GRANT SELECT, INSERT, UPDATE, DELETE ON idem_run TO idem_writer;
+GRANT SELECT, INSERT, UPDATE ON idem_outbox TO idem_writer;
+GRANT SELECT, DELETE ON idem_run TO idem_purger;
+GRANT SELECT, DELETE ON idem_outbox TO idem_purger;
 GO
 
 CREATE OR ALTER TRIGGER idem_request_result_guard ON idem_request_result AFTER UPDATE

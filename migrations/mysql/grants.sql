@@ -1,13 +1,18 @@
 -- idem: least-privilege roles for MariaDB 10.11+ and MySQL 8.4. Not a migration: run
 -- it with the mysql client (it uses DELIMITER) as an administrator, with idem's
--- database selected (mysql … app_db < grants.sql), AFTER the migrations (0001, 0002).
+-- database selected (mysql … app_db < grants.sql), AFTER the migrations (0001 to 0003).
 -- It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
 --                (INSERT), complete a placeholder and take over an EXPIRED record
 --                (UPDATE of request, response, status, created_at, expires_at only).
---                No DELETE, no UPDATE of the key columns.
---   idem_purger  what `idem purge` / Idem::purge need: read and delete records.
+--                No DELETE of records, no UPDATE of their key columns.
+--                Phased runs and the outbox (Idem::start, Run, Idem::relay): read,
+--                insert, update and delete runs (a run's row is rewritten by every
+--                phase, and an expired one is deleted and started again); read, insert
+--                and update outbox messages (enqueue, mark sent).
+--   idem_purger  what `idem purge` / Idem::purge need: read and delete records, runs
+--                and sent outbox messages.
 --
 -- Give a role to the application's account and make it active at login:
 --   GRANT idem_writer TO 'app'@'%';
@@ -30,6 +35,11 @@ GRANT UPDATE (fingerprint, processed_at, expires_at) ON idem_processed_message T
 
 GRANT SELECT, DELETE ON idem_request_result TO idem_purger;
 GRANT SELECT, DELETE ON idem_processed_message TO idem_purger;
+
+GRANT SELECT, INSERT, UPDATE, DELETE ON idem_run TO idem_writer;
+GRANT SELECT, INSERT, UPDATE ON idem_outbox TO idem_writer;
+GRANT SELECT, DELETE ON idem_run TO idem_purger;
+GRANT SELECT, DELETE ON idem_outbox TO idem_purger;
 
 DROP TRIGGER IF EXISTS idem_request_result_guard;
 DELIMITER //

@@ -1,14 +1,19 @@
 -- idem: least-privilege roles for Oracle Database 19c+ (written from the documentation;
 -- not verified live here). Not a migration: run it with SQL*Plus or SQLcl (PL/SQL
 -- blocks end with '/') as the schema that owns idem's tables, AFTER the migrations
--- (0001, 0002). CREATE ROLE needs the CREATE ROLE privilege; a re-run reports ORA-01921
+-- (0001 to 0003). CREATE ROLE needs the CREATE ROLE privilege; a re-run reports ORA-01921
 -- (role exists) for the first two statements and is otherwise idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
 --                (INSERT), complete a placeholder and take over an EXPIRED record
 --                (UPDATE of request, response, status, created_at, expires_at only).
---                No DELETE, no UPDATE of the key columns.
---   idem_purger  what `idem purge` / Idem::purge need: read and delete records.
+--                No DELETE of records, no UPDATE of their key columns.
+--                Phased runs and the outbox (Idem::start, Run, Idem::relay): read,
+--                insert, update and delete runs (a run's row is rewritten by every
+--                phase, and an expired one is deleted and started again); read, insert
+--                and update outbox messages (enqueue, mark sent).
+--   idem_purger  what `idem purge` / Idem::purge need: read and delete records, runs
+--                and sent outbox messages.
 --
 -- Grant a role to the application's user (GRANT idem_writer TO app_user;). The tables
 -- stay in the owner's schema: the application connects with
@@ -30,6 +35,11 @@ GRANT UPDATE (fingerprint, processed_at, expires_at) ON idem_processed_message T
 
 GRANT SELECT, DELETE ON idem_request_result TO idem_purger;
 GRANT SELECT, DELETE ON idem_processed_message TO idem_purger;
+
+GRANT SELECT, INSERT, UPDATE, DELETE ON idem_run TO idem_writer;
+GRANT SELECT, INSERT, UPDATE ON idem_outbox TO idem_writer;
+GRANT SELECT, DELETE ON idem_run TO idem_purger;
+GRANT SELECT, DELETE ON idem_outbox TO idem_purger;
 
 CREATE OR REPLACE TRIGGER idem_request_result_guard
 BEFORE UPDATE ON idem_request_result

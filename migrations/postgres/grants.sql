@@ -1,12 +1,17 @@
 -- idem: least-privilege roles for PostgreSQL 15+. Not a migration: run it as the owner
--- of idem's tables, in their schema (search_path), AFTER the migrations (0001, 0002),
+-- of idem's tables, in their schema (search_path), AFTER the migrations (0001 to 0003),
 -- and again after any later migration. It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
 --                (INSERT), complete a placeholder and take over an EXPIRED record
 --                (UPDATE of request, response, status, created_at, expires_at only).
 --                No DELETE, no TRUNCATE, no UPDATE of the key columns.
---   idem_purger  what `idem purge` / Idem::purge need: read and delete records.
+--                Phased runs (Idem::start, Run, Idem::complete): read, insert, the
+--                guarded write (UPDATE of the non-key columns only) and the DELETE of an
+--                expired run being replaced. The outbox (enqueue, Idem::relay): read,
+--                insert, and mark sent (UPDATE of sent_at only).
+--   idem_purger  what `idem purge` / Idem::purge need: read and delete records, expired
+--                runs and sent outbox messages.
 --
 -- Both are NOLOGIN group roles: grant them to your application's login roles
 -- (GRANT idem_writer TO app_login;). Migrations keep running as the owner.
@@ -41,6 +46,17 @@ GRANT UPDATE (fingerprint, processed_at, expires_at) ON idem_processed_message T
 -- the trigger below still guards on live completed records.
 GRANT SELECT, DELETE ON idem_request_result, idem_processed_message TO idem_purger;
 GRANT UPDATE (expires_at) ON idem_request_result, idem_processed_message TO idem_purger;
+
+-- Phased runs and the outbox (0003). The relay's FOR UPDATE SKIP LOCKED needs the
+-- writer's UPDATE of sent_at. The purger's FOR UPDATE needs UPDATE of one column: the
+-- bookkeeping columns updated_at and created_at, which no protocol decision reads.
+GRANT SELECT, INSERT, DELETE ON idem_run TO idem_writer;
+GRANT UPDATE (owner, fence, point, state, status, response, lease_until, updated_at) ON idem_run TO idem_writer;
+GRANT SELECT, INSERT ON idem_outbox TO idem_writer;
+GRANT UPDATE (sent_at) ON idem_outbox TO idem_writer;
+GRANT SELECT, DELETE ON idem_run, idem_outbox TO idem_purger;
+GRANT UPDATE (updated_at) ON idem_run TO idem_purger;
+GRANT UPDATE (created_at) ON idem_outbox TO idem_purger;
 
 CREATE OR REPLACE FUNCTION idem_request_result_guard() RETURNS trigger
 LANGUAGE plpgsql AS $$

@@ -169,6 +169,7 @@ impl<'de> Deserialize<'de> for JsonResponse {
 /// | [`Error::InvalidInput`] | 400 (500 when the *response* could not be stored) |
 /// | [`Error::KeyReused`], [`Error::PayloadMismatch`] | 422 |
 /// | [`Error::InProgress`] | 409 with `Retry-After` (the wait bound, in whole seconds, at least 1) |
+/// | [`Error::LeaseLost`] | 409 with `Retry-After: 1` (another call carries the run on) |
 /// | [`Error::RetriesExhausted`], [`Error::Backend`] of kind [`ErrorKind::Connection`] | 503 with `Retry-After: 1` |
 /// | [`Error::Effect`] | the effect error's own [`IntoResponse`] |
 /// | anything else | 500, details hidden |
@@ -260,6 +261,16 @@ pub fn problem_for<E>(error: &Error<E>) -> Option<Problem> {
             )
             .with_retry_after(seconds.max(1))
         }
+        Error::LeaseLost { .. } => Problem::new(
+            StatusCode::CONFLICT,
+            types::IN_PROGRESS,
+            "Request in progress",
+        )
+        .with_detail(
+            "another call took this request over and is carrying it on; \
+             retry later with the same key",
+        )
+        .with_retry_after(1),
         Error::RetriesExhausted { .. } => {
             unavailable("the database stayed busy; retry with the same key")
         }
@@ -349,6 +360,10 @@ mod tests {
             status(Error::InProgress {
                 waited: Duration::from_millis(10)
             }),
+            Some((StatusCode::CONFLICT, Some(1)))
+        );
+        assert_eq!(
+            status(Error::LeaseLost { fence: 3 }),
             Some((StatusCode::CONFLICT, Some(1)))
         );
         let conn = idem_core::DbError::new("x", ErrorKind::Connection, "gone");

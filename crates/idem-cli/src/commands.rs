@@ -87,6 +87,12 @@ pub(crate) async fn purge(url: &str, older_than: Option<Duration>, batch: u32) -
         "deleted {} expired request records and {} expired processed messages in {} statements{kept}",
         report.requests, report.messages, report.batches
     );
+    if report.runs > 0 || report.outbox > 0 {
+        println!(
+            "deleted {} expired phased runs and {} sent outbox messages",
+            report.runs, report.outbox
+        );
+    }
     Ok(())
 }
 

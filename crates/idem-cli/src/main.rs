@@ -7,6 +7,10 @@ mod commands;
 mod consume;
 mod demo;
 mod fail;
+mod orders;
+mod provider;
+#[cfg(any(feature = "amqp", feature = "nats"))]
+mod relay;
 mod serve;
 
 use std::path::PathBuf;
@@ -44,7 +48,7 @@ fn explicit_url<'a>(url: Option<&'a str>, command: &str) -> Result<&'a str, Fail
 struct Cli {
     /// Database URL: sqlite::memory:, sqlite://idem.db, sqlite:///abs/path.db,
     /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://… [default: sqlite://idem.db,
-    /// except for check, purge and bench, which require it]
+    /// except for check, purge, bench, complete and relay, which require it]
     #[arg(long, global = true, env = "IDEM_URL")]
     url: Option<String>,
 
@@ -128,6 +132,15 @@ enum Command {
     #[cfg(any(feature = "amqp", feature = "nats"))]
     #[command(after_long_help = consume::MESSAGE_FORMAT)]
     Publish(consume::PublishArgs),
+    /// Publish the transactional outbox to RabbitMQ or NATS JetStream.
+    ///
+    /// Messages effects enqueued (such as the orders' `order.paid`) go to RabbitMQ
+    /// (--amqp) or NATS JetStream (--nats), in order per destination, each marked sent
+    /// once the broker confirmed it. --once: until a pass publishes nothing, then print
+    /// `published N`; otherwise until SIGINT or SIGTERM.
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    #[command(after_long_help = relay::RELAY_HELP)]
+    Relay(relay::RelayArgs),
     /// Measure the protocol's paths beside the bare effect on this database (SQLite,
     /// PostgreSQL, MySQL/MariaDB), in a private schema, database or file removed afterwards: throughput,
     /// p50/p99 latency, the ratios new ÷ bare, replay ÷ read, new ÷ server-side function,
@@ -175,7 +188,8 @@ enum Command {
     },
     /// Serve the demo bank over HTTP with Idempotency-Key (see docs/http.md): PUT/GET
     /// /accounts/{id}, POST /accounts/{id}/debits (bearer principal), POST
-    /// /subscribers/{name}/messages/{message_id}, GET /openapi.json. Stops on SIGINT or
+    /// /subscribers/{name}/messages/{message_id}, GET /openapi.json, and with --provider
+    /// POST /orders (bearer principal; see docs/external-effects.md). Stops on SIGINT or
     /// SIGTERM after in-flight requests finish.
     Serve {
         /// The address to listen on (port 0 picks a free one; the address is printed).
@@ -194,6 +208,73 @@ enum Command {
         /// (to show 409 for a concurrent retry, or a client disconnecting mid-request).
         #[arg(long, value_parser = commands::parse_duration)]
         debit_delay: Option<std::time::Duration>,
+        /// The payment provider POST /orders charges (an http:// URL, such as the address
+        /// `idem fake-provider` prints). Without it, POST /orders answers 404.
+        #[arg(long, value_name = "URL")]
+        provider: Option<String>,
+        /// How long a charge request to the provider may take before POST /orders
+        /// answers 502 (the retry with the same key resumes the order at once).
+        #[arg(long, value_name = "MS", default_value_t = 2000,
+            value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+        provider_timeout_ms: u64,
+        /// The lease of an order's run: while it lasts, a retry with the same key waits
+        /// (then 409); once it has ended (the server died mid-order), the retry or
+        /// `idem complete` takes the order over at its last recovery point.
+        #[arg(long, value_name = "MS", default_value_t = 30_000,
+            value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
+        lease_ms: u64,
+    },
+    /// A stand-in card provider for `idem serve --provider`, with its own Idempotency-Key
+    /// and faults on demand.
+    ///
+    /// POST /charges with `Idempotency-Key` and {"amount": N}: a new key is charged (201);
+    /// the same key and amount return the first charge (200, nothing charged); another
+    /// amount 422; no key or a bad body 400. GET /charges lists every charge, GET /stats
+    /// counts them. State in memory; stops on SIGINT or SIGTERM.
+    FakeProvider {
+        /// The address to listen on (port 0 picks a free one; the address is printed).
+        #[arg(long, default_value = "127.0.0.1:8081")]
+        listen: std::net::SocketAddr,
+        /// Probability (0 to 1) that a new charge answers 500 before anything is charged.
+        #[arg(long, value_name = "P", default_value_t = 0.0, allow_negative_numbers = true,
+            value_parser = provider::parse_probability)]
+        fail_before_charge: f64,
+        /// Probability (0 to 1) that a new charge is made, then answered with 500 or not at
+        /// all (the connection held about 30 s), half each.
+        #[arg(long, value_name = "P", default_value_t = 0.0, allow_negative_numbers = true,
+            value_parser = provider::parse_probability)]
+        fail_after_charge: f64,
+        /// Milliseconds to wait after recording a new charge before answering it.
+        #[arg(long, value_name = "MS", default_value_t = 0)]
+        delay: u64,
+        /// Seed of the fault draws, for a repeatable run.
+        #[arg(long)]
+        seed: Option<u64>,
+    },
+    /// Finish orders an `idem serve` left halfway (it died mid-order), once their lease
+    /// has ended.
+    ///
+    /// One pass over the phased runs whose owner stopped before their final answer: each
+    /// is taken over and driven with its operation's step. order:v1 with --provider: driven
+    /// to the end (the charge is repeated with its stable provider key, so never made
+    /// twice); without --provider: runs that never reached the provider end failed, the
+    /// others are left. Other operations are left. Prints one line per operation
+    /// ("order:v1: succeeded 1, failed 0, busy 0, left 0", then the errors) or --json;
+    /// exits 0 when the pass ran, even if some runs were left.
+    Complete {
+        /// The payment provider of order:v1 (an http:// URL).
+        #[arg(long, value_name = "URL")]
+        provider: Option<String>,
+        /// How long a charge request to the provider may take.
+        #[arg(long, value_name = "MS", default_value_t = 2000,
+            value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+        provider_timeout_ms: u64,
+        /// At most this many stalled runs, the longest-stalled first.
+        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
+        limit: u32,
+        /// Print the report as JSON.
+        #[arg(long)]
+        json: bool,
     },
     /// Generate the engine comparison (docs/engines.md) from `idem check --json` reports.
     Docs {
@@ -280,6 +361,11 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         }
         #[cfg(any(feature = "amqp", feature = "nats"))]
         Command::Publish(args) => consume::publish(args).await,
+        #[cfg(any(feature = "amqp", feature = "nats"))]
+        Command::Relay(args) => {
+            let url = explicit_url(cli.url.as_deref(), "relay")?;
+            with_bank!(url, K => relay::relay::<K>(url, args).await)
+        }
         Command::Bench {
             clients,
             duration,
@@ -348,14 +434,46 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             namespace,
             wait_timeout,
             debit_delay,
+            provider,
+            provider_timeout_ms,
+            lease_ms,
         } => {
             let options = serve::Options {
                 listen,
                 namespace,
                 wait: wait_timeout,
                 debit_delay,
+                provider,
+                provider_timeout: std::time::Duration::from_millis(provider_timeout_ms),
+                lease: std::time::Duration::from_millis(lease_ms),
             };
             with_bank!(url, K => serve::run::<K>(url, options).await)
+        }
+        Command::FakeProvider {
+            listen,
+            fail_before_charge,
+            fail_after_charge,
+            delay,
+            seed,
+        } => {
+            provider::run(provider::Options {
+                listen,
+                fail_before: fail_before_charge,
+                fail_after: fail_after_charge,
+                delay: std::time::Duration::from_millis(delay),
+                seed,
+            })
+            .await
+        }
+        Command::Complete {
+            provider,
+            provider_timeout_ms,
+            limit,
+            json,
+        } => {
+            let url = explicit_url(cli.url.as_deref(), "complete")?;
+            let timeout = std::time::Duration::from_millis(provider_timeout_ms);
+            with_bank!(url, K => orders::complete::<K>(url, provider.as_deref(), timeout, limit, json).await)
         }
         Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
     }

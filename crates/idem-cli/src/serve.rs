@@ -30,6 +30,7 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
 use crate::fail::Fail;
+use crate::orders::{self, OrderBody, OrderRequest, Stepper};
 
 /// The demo's problem types (besides idem's own, in `idem::axum::problem::types`).
 pub(crate) mod demo_types {
@@ -50,12 +51,20 @@ pub(crate) struct Options {
     pub(crate) wait: Duration,
     /// Test aid: hold each debit's transaction this long after its SQL ran.
     pub(crate) debit_delay: Option<Duration>,
+    /// The payment provider of `POST /orders` (the route exists only with it).
+    pub(crate) provider: Option<String>,
+    /// How long a charge request to the provider may take.
+    pub(crate) provider_timeout: Duration,
+    /// The lease of an order's run.
+    pub(crate) lease: Duration,
 }
 
 struct App<K: Bank> {
     bank: K,
     http: HttpIdem<K::B>,
     debit_delay: Option<Duration>,
+    /// The `order:v1` step, when `--provider` was given.
+    orders: Option<Stepper>,
     /// Effects run in tasks of their own: a client that disconnects does not cancel a
     /// transaction halfway, and shutdown waits for them.
     tasks: TaskTracker,
@@ -80,6 +89,8 @@ impl IntoResponse for ApiError {
             .with_detail("the debit would make the balance negative; nothing was stored")
             .into_response(),
             BankError::NoAccount(id) => no_account(id).into_response(),
+            // Orders are answered by `orders::answer`; no account route meets one.
+            BankError::NoOrder(_) => internal("an order was not in the expected state"),
             BankError::Db(e) => {
                 HttpError::<std::convert::Infallible>(idem::Error::Backend(e)).into_response()
             }
@@ -375,6 +386,67 @@ async fn post_message<K: Bank>(
         .unwrap_or_else(|_| internal("the message's task ended abnormally"))
 }
 
+/// `POST /orders`: one card-charge order per `Idempotency-Key` (with `--provider`): a
+/// phased run that creates the order, charges the provider with a stable provider key
+/// and marks the order paid with an `order.paid` outbox message.
+#[utoipa::path(post, path = "/orders", request_body = OrderRequest,
+    params(
+        ("Idempotency-Key" = String, Header, description = "Required: a structured-field string (\"…\") or a bare token, 1 to 255 bytes"),
+    ),
+    security(("bearer" = [])),
+    responses(
+        (status = 201, description = "Paid; a replay returns the stored answer with `Idempotent-Replayed: true`", body = OrderBody,
+            headers(("Idempotent-Replayed" = String, description = "`true` on a replay"))),
+        (status = 400, description = "`urn:idem:problem:invalid-idempotency-key` or `urn:idem:problem:invalid-body`", body = ProblemBody, content_type = "application/problem+json"),
+        (status = 401, description = "`urn:idem:problem:unauthenticated`: no bearer token", body = ProblemBody, content_type = "application/problem+json"),
+        (status = 404, description = "The server was started without `--provider`"),
+        (status = 409, description = "`urn:idem:problem:in-progress`: a request with the same key holds the run's lease (or took it over from this one); retry after `Retry-After`", body = ProblemBody, content_type = "application/problem+json",
+            headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 422, description = "`urn:idem:problem:key-reused`: the key was used with a different request; or `urn:idem:demo:order-failed`: the run ended failed (`idem complete` abandoned it before the charge), replayed with `Idempotent-Replayed: true`", body = ProblemBody, content_type = "application/problem+json"),
+        (status = 502, description = "`urn:idem:demo:provider-unavailable`: the provider failed, timed out or could not be reached; retry with the same key at once (the card is charged at most once)", body = ProblemBody, content_type = "application/problem+json",
+            headers(("Retry-After" = u64, description = "Seconds"))),
+        (status = 503, description = "`urn:idem:problem:unavailable`: retries exhausted or connection lost", body = ProblemBody, content_type = "application/problem+json",
+            headers(("Retry-After" = u64, description = "Seconds"))),
+    ))]
+async fn post_order<K: Bank>(
+    State(app): State<Shared<K>>,
+    Authenticated(principal): Authenticated,
+    IdempotencyKey(key): IdempotencyKey,
+    fingerprint: Fingerprint,
+    body: JsonBody,
+) -> Response {
+    let Some(stepper) = app.orders.clone() else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    let prepared = (|| {
+        let OrderRequest { amount } = body.parse().map_err(Problem::from)?;
+        if amount <= 0 {
+            return Err(bad_request(format!(
+                "amount {amount} is not a positive whole number"
+            )));
+        }
+        let operation = orders::operation().map_err(|e| bad_request(e.to_string()))?;
+        Ok(Scope::new(principal, operation))
+    })();
+    let scope = match prepared {
+        Ok(p) => p,
+        Err(problem) => return problem.into_response(),
+    };
+    let request = fingerprint.request(&body.0, &BodyFields::All);
+    let task = Arc::clone(&app);
+    let handle = app.tasks.spawn(async move {
+        let out = task
+            .http
+            .idem()
+            .execute_phased(&scope, &key, &request, orders::step::<K>(stepper))
+            .await;
+        orders::answer(out)
+    });
+    handle
+        .await
+        .unwrap_or_else(|_| internal("the order's task ended abnormally"))
+}
+
 /// `GET /openapi.json`: this API, generated from the handlers above.
 #[utoipa::path(get, path = "/openapi.json",
     responses((status = 200, description = "This OpenAPI 3.1 document", content_type = "application/json")))]
@@ -407,8 +479,8 @@ impl Modify for BearerScheme {
 #[derive(OpenApi)]
 #[openapi(
     info(title = "idem serve: the demo bank over HTTP", description = "Idempotent debits with the Idempotency-Key header, on any SQL engine idem supports. See docs/http.md."),
-    paths(put_account, get_account, post_debit, post_message, openapi),
-    components(schemas(Account, SetBalance, Debit, BalanceBody, Message, MessageOutcome, ProblemBody)),
+    paths(put_account, get_account, post_debit, post_message, post_order, openapi),
+    components(schemas(Account, SetBalance, Debit, BalanceBody, Message, MessageOutcome, OrderRequest, OrderBody, ProblemBody)),
     modifiers(&BearerScheme)
 )]
 struct ApiDoc;
@@ -449,9 +521,11 @@ async fn bearer(mut req: Request, next: Next) -> Response {
 }
 
 fn router<K: Bank>(app: Shared<K>) -> Router {
-    let debits = Router::new()
-        .route("/accounts/{id}/debits", post(post_debit::<K>))
-        .route_layer(middleware::from_fn(bearer));
+    let mut authenticated = Router::new().route("/accounts/{id}/debits", post(post_debit::<K>));
+    if app.orders.is_some() {
+        authenticated = authenticated.route("/orders", post(post_order::<K>));
+    }
+    let debits = authenticated.route_layer(middleware::from_fn(bearer));
     Router::new()
         .route(
             "/accounts/{id}",
@@ -485,7 +559,7 @@ fn check_namespace(ns: &str) -> Result<(), Fail> {
     }
 }
 
-async fn shutdown_signal() {
+pub(crate) async fn shutdown_signal() {
     let interrupt = async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
@@ -514,16 +588,31 @@ pub(crate) async fn run<K: Bank>(url: &str, options: Options) -> Result<(), Fail
     if let Some(ns) = &options.namespace {
         check_namespace(ns)?;
     }
+    let orders = match &options.provider {
+        Some(provider) => Some(Stepper::new(
+            Some(orders::ProviderClient::new(
+                provider,
+                options.provider_timeout,
+            )?),
+            orders::KillHook::from_env()?,
+        )),
+        None => None,
+    };
     let bank = K::connect(url, options.namespace.as_deref()).await?;
     if let Err(e) = bank.setup().await {
         bank.close().await?;
         return Err(e.into());
     }
-    let http = HttpIdem::new(Idem::new(bank.backend().clone()).with_wait_timeout(options.wait));
+    let http = HttpIdem::new(
+        Idem::new(bank.backend().clone())
+            .with_wait_timeout(options.wait)
+            .with_lease(options.lease),
+    );
     let app = Arc::new(App {
         bank,
         http,
         debit_delay: options.debit_delay,
+        orders,
         tasks: TaskTracker::new(),
     });
     let served = async {
@@ -594,6 +683,7 @@ mod tests {
                 "/accounts/{id}",
                 "/accounts/{id}/debits",
                 "/openapi.json",
+                "/orders",
                 "/subscribers/{name}/messages/{message_id}"
             ]
         );

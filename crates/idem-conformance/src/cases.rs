@@ -15,6 +15,7 @@ use idem::core::{
 use serde_json::{Value, json};
 
 use crate::bank::{Balance, Bank, BankError};
+use crate::external;
 
 /// A case's failure: what was expected and what happened.
 pub type Failure = Box<dyn std::error::Error + Send + Sync>;
@@ -128,6 +129,31 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
             name: "primary_key_refuses_direct_insert",
             promise: "the schema's primary key refuses a second record",
             run: |k| Box::pin(primary_key_refuses_direct_insert(k)),
+        },
+        Case {
+            name: "phased_run_resumes_at_its_recovery_point",
+            promise: "a phased run whose owner died resumes at its last recovery point; one charge",
+            run: |k| Box::pin(external::phased_run_resumes_at_its_recovery_point(k)),
+        },
+        Case {
+            name: "stale_owner_is_fenced",
+            promise: "after a takeover the earlier owner's writes are refused and rolled back",
+            run: |k| Box::pin(external::stale_owner_is_fenced(k)),
+        },
+        Case {
+            name: "lease_heartbeat_release_and_final_failure",
+            promise: "a live lease answers InProgress, heartbeats renew it, release hands over",
+            run: |k| Box::pin(external::lease_heartbeat_release_and_final_failure(k)),
+        },
+        Case {
+            name: "completer_finishes_stalled_runs",
+            promise: "two completers at once finish every stalled run exactly once",
+            run: |k| Box::pin(external::completer_finishes_stalled_runs(k)),
+        },
+        Case {
+            name: "outbox_drains_in_order_skipping_locked",
+            promise: "outbox relays publish each committed message once, in order per destination",
+            run: |k| Box::pin(external::outbox_drains_in_order_skipping_locked(k)),
         },
     ]
 }

@@ -7,7 +7,11 @@ use std::time::{Duration, Instant};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
 
-use idem::core::{Backend, BoxFuture, Claim, Claimed, DbError, Finish, Maintenance, Stored, Table};
+use idem::core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem::core::{
+    Backend, BoxFuture, Claim, Claimed, DbError, Finish, Key, Maintenance, OutboxStore, Outgoing,
+    RunStore, Scope, Stored, Table,
+};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 use crate::cases::{self, Case, CaseResult, Failure};
@@ -263,6 +267,22 @@ impl Bank for NoBank {
     ) -> Result<(), DbError> {
         match *self {}
     }
+    fn create_order(
+        tx: &mut NeverBackend,
+        _: String,
+        _: i64,
+    ) -> BoxFuture<'_, Result<i64, BankError>> {
+        match *tx {}
+    }
+    fn pay_order(tx: &mut NeverBackend, _: i64, _: String) -> BoxFuture<'_, Result<(), BankError>> {
+        match *tx {}
+    }
+    fn fail_order(tx: &mut NeverBackend, _: i64) -> BoxFuture<'_, Result<(), BankError>> {
+        match *tx {}
+    }
+    async fn count_orders(&self, _: &str) -> Result<u64, DbError> {
+        match *self {}
+    }
     async fn count_records(&self) -> Result<u64, DbError> {
         match *self {}
     }
@@ -288,6 +308,77 @@ impl Backend for NeverBackend {
     }
     fn classify(&self, _: &(dyn std::error::Error + 'static)) -> Option<idem::core::ErrorKind> {
         match *self {}
+    }
+}
+
+impl RunStore for NeverBackend {
+    async fn begin_runs(&self, _: Option<Duration>) -> Result<NeverBackend, DbError> {
+        match *self {}
+    }
+    async fn commit_runs(&self, tx: NeverBackend) -> Result<(), DbError> {
+        match tx {}
+    }
+    async fn rollback_runs(&self, tx: NeverBackend) -> Result<(), DbError> {
+        match tx {}
+    }
+    async fn insert_run(
+        &self,
+        tx: &mut NeverBackend,
+        _: &Scope,
+        _: &Key,
+        _: &NewRun<'_>,
+    ) -> Result<bool, DbError> {
+        match *tx {}
+    }
+    async fn read_run(
+        &self,
+        tx: &mut NeverBackend,
+        _: &Scope,
+        _: &Key,
+    ) -> Result<Option<RunRow>, DbError> {
+        match *tx {}
+    }
+    async fn write_run(
+        &self,
+        tx: &mut NeverBackend,
+        _: &Scope,
+        _: &Key,
+        _: &str,
+        _: &RunWrite<'_>,
+    ) -> Result<bool, DbError> {
+        match *tx {}
+    }
+    async fn delete_run(
+        &self,
+        tx: &mut NeverBackend,
+        _: &Scope,
+        _: &Key,
+        _: &str,
+    ) -> Result<bool, DbError> {
+        match *tx {}
+    }
+    async fn stalled_runs(&self, _: u32) -> Result<Vec<StalledRow>, DbError> {
+        match *self {}
+    }
+}
+
+impl OutboxStore for NeverBackend {
+    async fn enqueue(&self, tx: &mut NeverBackend, _: &Outgoing) -> Result<(), DbError> {
+        match *tx {}
+    }
+    async fn lock_unsent(&self, tx: &mut NeverBackend, _: u32) -> Result<Vec<OutboxRow>, DbError> {
+        match *tx {}
+    }
+    async fn unsent_ids(
+        &self,
+        tx: &mut NeverBackend,
+        _: &str,
+        _: i64,
+    ) -> Result<Vec<i64>, DbError> {
+        match *tx {}
+    }
+    async fn mark_sent(&self, tx: &mut NeverBackend, _: &[i64]) -> Result<(), DbError> {
+        match *tx {}
     }
 }
 

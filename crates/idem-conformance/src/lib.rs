@@ -8,6 +8,7 @@
 pub mod bank;
 pub mod cases;
 pub mod docs;
+pub mod external;
 pub mod harness;
 
 #[cfg(feature = "mssql")]

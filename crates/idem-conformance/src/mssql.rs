@@ -11,6 +11,7 @@
 //! Not run live on this project's machines: expected from documentation.
 
 use idem::core::{BoxFuture, DbError, ErrorKind, Maintenance};
+use idem::mssql::tiberius::ToSql;
 use idem::mssql::tiberius::error::Error as TdsError;
 use idem::mssql::{MssqlBackend, MssqlClient, MssqlOptions, MssqlTx, db_error};
 
@@ -20,6 +21,36 @@ use crate::bank::{Balance, Bank, BankError, Capabilities};
 pub const CREATE_ACCOUNT: &str = "IF OBJECT_ID(N'idem_demo_account', N'U') IS NULL \
     CREATE TABLE idem_demo_account (account_id bigint NOT NULL PRIMARY KEY, \
     balance bigint NOT NULL CONSTRAINT idem_demo_account_balance_ck CHECK (balance >= 0))";
+
+/// The card-charge example's orders, in SQL Server (`order_id` from `IDENTITY`).
+pub const CREATE_ORDER: &str = "IF OBJECT_ID(N'idem_demo_order', N'U') IS NULL \
+    CREATE TABLE idem_demo_order (order_id bigint IDENTITY(1, 1) NOT NULL PRIMARY KEY, \
+    principal nvarchar(255) NOT NULL, \
+    amount bigint NOT NULL CONSTRAINT idem_demo_order_amount_ck CHECK (amount > 0), \
+    status varchar(16) NOT NULL CONSTRAINT idem_demo_order_status_df DEFAULT 'pending' \
+    CONSTRAINT idem_demo_order_status_ck CHECK (status IN ('pending', 'paid', 'failed')), \
+    charge_id nvarchar(255) NULL)";
+
+/// Runs an order's guarded status change; [`BankError::NoOrder`] unless exactly one
+/// pending order changed.
+async fn change_order(
+    tx: &mut MssqlTx,
+    sql: &str,
+    params: &[&dyn ToSql],
+    order_id: i64,
+) -> Result<(), BankError> {
+    let changed = tx
+        .client()
+        .execute(sql, params)
+        .await
+        .map_err(db_error)?
+        .total();
+    if changed == 1 {
+        Ok(())
+    } else {
+        Err(BankError::NoOrder(order_id))
+    }
+}
 
 /// The fixture: a backend and, with a namespace, a private database dropped by `close`.
 #[derive(Debug)]
@@ -202,7 +233,8 @@ impl Bank for MssqlBank {
         self.backend.migrate().await?;
         self.backend
             .interact(batch(CREATE_ACCOUNT.to_owned()))
-            .await
+            .await?;
+        self.backend.interact(batch(CREATE_ORDER.to_owned())).await
     }
 
     async fn set_balance(&self, account: i64, balance: i64) -> Result<(), DbError> {
@@ -280,6 +312,86 @@ impl Bank for MssqlBank {
         amount: i64,
     ) -> BoxFuture<'_, Result<Balance, BankError>> {
         effect(tx, account, amount, false)
+    }
+
+    fn create_order(
+        tx: &mut MssqlTx,
+        principal: String,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<i64, BankError>> {
+        Box::pin(async move {
+            let row = tx
+                .client()
+                .query(
+                    "INSERT INTO idem_demo_order (principal, amount, status) \
+                     OUTPUT inserted.order_id VALUES (@P1, @P2, 'pending')",
+                    &[&principal.as_str(), &amount],
+                )
+                .await
+                .map_err(db_error)?
+                .into_row()
+                .await
+                .map_err(db_error)?;
+            row.and_then(|r| r.try_get::<i64, _>(0).ok().flatten())
+                .ok_or_else(|| {
+                    BankError::Db(DbError::new(
+                        "mssql",
+                        ErrorKind::Other,
+                        "the order INSERT returned no id",
+                    ))
+                })
+        })
+    }
+
+    fn pay_order(
+        tx: &mut MssqlTx,
+        order_id: i64,
+        charge_id: String,
+    ) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(async move {
+            change_order(
+                tx,
+                "SET NOCOUNT OFF; UPDATE idem_demo_order SET status = 'paid', charge_id = @P2 \
+                 WHERE order_id = @P1 AND status = 'pending'",
+                &[&order_id, &charge_id.as_str()],
+                order_id,
+            )
+            .await
+        })
+    }
+
+    fn fail_order(tx: &mut MssqlTx, order_id: i64) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(async move {
+            change_order(
+                tx,
+                "SET NOCOUNT OFF; UPDATE idem_demo_order SET status = 'failed' \
+                 WHERE order_id = @P1 AND status = 'pending'",
+                &[&order_id],
+                order_id,
+            )
+            .await
+        })
+    }
+
+    async fn count_orders(&self, status: &str) -> Result<u64, DbError> {
+        let status = status.to_owned();
+        let n = self
+            .backend
+            .interact(move |c| {
+                Box::pin(async move {
+                    let row = c
+                        .query(
+                            "SELECT COUNT_BIG(*) FROM idem_demo_order WHERE status = @P1",
+                            &[&status.as_str()],
+                        )
+                        .await?
+                        .into_row()
+                        .await?;
+                    Ok(row.and_then(|r| r.get::<i64, _>(0)).unwrap_or(0))
+                })
+            })
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     async fn insert_record_directly(

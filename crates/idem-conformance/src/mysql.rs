@@ -11,6 +11,13 @@ use crate::bank::{Balance, Bank, BankError, Capabilities};
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
     account_id BIGINT PRIMARY KEY, balance BIGINT NOT NULL CHECK (balance >= 0)) ENGINE=InnoDB";
 
+/// The card-charge example's orders, in MySQL/MariaDB (`order_id` from `AUTO_INCREMENT`).
+pub const CREATE_ORDER: &str = "CREATE TABLE IF NOT EXISTS idem_demo_order (\
+    order_id BIGINT AUTO_INCREMENT PRIMARY KEY, principal VARCHAR(255) NOT NULL, \
+    amount BIGINT NOT NULL CHECK (amount > 0), \
+    status VARCHAR(16) NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'paid', 'failed')), \
+    charge_id VARCHAR(255) NULL) ENGINE=InnoDB";
+
 /// The fixture: a backend and, with a namespace, a private database.
 #[derive(Debug)]
 pub struct MysqlBank {
@@ -196,7 +203,8 @@ impl Bank for MysqlBank {
     async fn setup(&self) -> Result<(), DbError> {
         self.backend.migrate().await?;
         let mut conn = self.backend.pool().get_conn().await.map_err(db_error)?;
-        conn.query_drop(CREATE_ACCOUNT).await.map_err(db_error)
+        conn.query_drop(CREATE_ACCOUNT).await.map_err(db_error)?;
+        conn.query_drop(CREATE_ORDER).await.map_err(db_error)
     }
 
     async fn set_balance(&self, account: i64, balance: i64) -> Result<(), DbError> {
@@ -268,6 +276,89 @@ impl Bank for MysqlBank {
         amount: i64,
     ) -> BoxFuture<'_, Result<Balance, BankError>> {
         effect(tx, account, amount, false)
+    }
+
+    fn create_order(
+        tx: &mut MysqlTx,
+        principal: String,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<i64, BankError>> {
+        Box::pin(async move {
+            tx.exec_drop(
+                "INSERT INTO idem_demo_order (principal, amount, status) VALUES (?, ?, 'pending')",
+                (principal, amount),
+            )
+            .await
+            .map_err(db_error)?;
+            // The id the INSERT generated, from its OK packet (LAST_INSERT_ID()).
+            let id = match tx.last_insert_id() {
+                Some(id) => Some(id),
+                None => tx
+                    .query_first::<u64, _>("SELECT LAST_INSERT_ID()")
+                    .await
+                    .map_err(db_error)?,
+            };
+            id.and_then(|id| i64::try_from(id).ok())
+                .filter(|&id| id > 0)
+                .ok_or_else(|| {
+                    BankError::Db(DbError::new(
+                        "mysql",
+                        ErrorKind::Other,
+                        "the order INSERT generated no id",
+                    ))
+                })
+        })
+    }
+
+    fn pay_order(
+        tx: &mut MysqlTx,
+        order_id: i64,
+        charge_id: String,
+    ) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(async move {
+            // The status changes, so the changed-row count is the matched-row count.
+            tx.exec_drop(
+                "UPDATE idem_demo_order SET status = 'paid', charge_id = ? \
+                 WHERE order_id = ? AND status = 'pending'",
+                (charge_id, order_id),
+            )
+            .await
+            .map_err(db_error)?;
+            if tx.affected_rows() == 1 {
+                Ok(())
+            } else {
+                Err(BankError::NoOrder(order_id))
+            }
+        })
+    }
+
+    fn fail_order(tx: &mut MysqlTx, order_id: i64) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(async move {
+            tx.exec_drop(
+                "UPDATE idem_demo_order SET status = 'failed' \
+                 WHERE order_id = ? AND status = 'pending'",
+                (order_id,),
+            )
+            .await
+            .map_err(db_error)?;
+            if tx.affected_rows() == 1 {
+                Ok(())
+            } else {
+                Err(BankError::NoOrder(order_id))
+            }
+        })
+    }
+
+    async fn count_orders(&self, status: &str) -> Result<u64, DbError> {
+        let mut conn = self.backend.pool().get_conn().await.map_err(db_error)?;
+        let n: Option<u64> = conn
+            .exec_first(
+                "SELECT COUNT(*) FROM idem_demo_order WHERE status = ?",
+                (status,),
+            )
+            .await
+            .map_err(db_error)?;
+        n.ok_or_else(|| DbError::new("mysql", ErrorKind::Other, "COUNT(*) returned no row"))
     }
 
     async fn insert_record_directly(

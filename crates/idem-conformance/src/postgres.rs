@@ -13,6 +13,13 @@ use crate::bank::{Balance, Bank, BankError, Capabilities};
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
     account_id bigint PRIMARY KEY, balance bigint NOT NULL CHECK (balance >= 0))";
 
+/// The card-charge example's orders, in PostgreSQL.
+pub const CREATE_ORDER: &str = "CREATE TABLE IF NOT EXISTS idem_demo_order (\
+    order_id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY, principal text NOT NULL, \
+    amount bigint NOT NULL CHECK (amount > 0), \
+    status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'paid', 'failed')), \
+    charge_id text NULL)";
+
 /// The fixture: a backend and, with a namespace, a private schema.
 #[derive(Debug)]
 pub struct PgBank {
@@ -118,10 +125,12 @@ impl Bank for PgBank {
 
     async fn setup(&self) -> Result<(), DbError> {
         self.backend.migrate().await?;
-        sqlx::raw_sql(CREATE_ACCOUNT)
-            .execute(self.backend.pool())
-            .await
-            .map_err(db_error)?;
+        for create in [CREATE_ACCOUNT, CREATE_ORDER] {
+            sqlx::raw_sql(create)
+                .execute(self.backend.pool())
+                .await
+                .map_err(db_error)?;
+        }
         Ok(())
     }
 
@@ -169,6 +178,75 @@ impl Bank for PgBank {
         amount: i64,
     ) -> BoxFuture<'_, Result<Balance, BankError>> {
         effect(tx, account, amount, false)
+    }
+
+    fn create_order(
+        tx: &mut PgTx,
+        principal: String,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<i64, BankError>> {
+        Box::pin(async move {
+            let id: i64 = sqlx::query_scalar(
+                "INSERT INTO idem_demo_order (principal, amount, status) \
+                 VALUES ($1, $2, 'pending') RETURNING order_id",
+            )
+            .bind(principal)
+            .bind(amount)
+            .fetch_one(&mut **tx)
+            .await
+            .map_err(db_error)?;
+            Ok(id)
+        })
+    }
+
+    fn pay_order(
+        tx: &mut PgTx,
+        order_id: i64,
+        charge_id: String,
+    ) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(async move {
+            let changed = sqlx::query(
+                "UPDATE idem_demo_order SET status = 'paid', charge_id = $2 \
+                 WHERE order_id = $1 AND status = 'pending'",
+            )
+            .bind(order_id)
+            .bind(charge_id)
+            .execute(&mut **tx)
+            .await
+            .map_err(db_error)?;
+            if changed.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(BankError::NoOrder(order_id))
+            }
+        })
+    }
+
+    fn fail_order(tx: &mut PgTx, order_id: i64) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(async move {
+            let changed = sqlx::query(
+                "UPDATE idem_demo_order SET status = 'failed' \
+                 WHERE order_id = $1 AND status = 'pending'",
+            )
+            .bind(order_id)
+            .execute(&mut **tx)
+            .await
+            .map_err(db_error)?;
+            if changed.rows_affected() == 1 {
+                Ok(())
+            } else {
+                Err(BankError::NoOrder(order_id))
+            }
+        })
+    }
+
+    async fn count_orders(&self, status: &str) -> Result<u64, DbError> {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM idem_demo_order WHERE status = $1")
+            .bind(status)
+            .fetch_one(self.backend.pool())
+            .await
+            .map_err(db_error)?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     async fn insert_record_directly(

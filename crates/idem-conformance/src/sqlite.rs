@@ -12,6 +12,13 @@ use crate::bank::{Balance, Bank, BankError, Capabilities};
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
     account_id INTEGER PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0)) STRICT";
 
+/// The card-charge example's orders, in SQLite.
+pub const CREATE_ORDER: &str = "CREATE TABLE IF NOT EXISTS idem_demo_order (\
+    order_id INTEGER PRIMARY KEY AUTOINCREMENT, principal TEXT NOT NULL, \
+    amount INTEGER NOT NULL CHECK (amount > 0), \
+    status TEXT NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'paid', 'failed')), \
+    charge_id TEXT NULL) STRICT";
+
 /// The fixture: a backend and, with a namespace, a private database file.
 #[derive(Debug)]
 pub struct SqliteBank {
@@ -60,6 +67,8 @@ fn run_effect(
 impl Bank for SqliteBank {
     type B = SqliteBackend;
     const ENGINE: &'static str = "sqlite";
+    // One writer: a second relay waits for the first instead of skipping its rows.
+    const SKIP_LOCKED: bool = false;
 
     async fn connect(url: &str, namespace: Option<&str>) -> Result<Self, DbError> {
         let (location, private_file) = namespaced(Location::parse(url)?, namespace);
@@ -112,7 +121,10 @@ impl Bank for SqliteBank {
     async fn setup(&self) -> Result<(), DbError> {
         self.backend.migrate().await?;
         self.backend
-            .interact(|c| c.execute_batch(CREATE_ACCOUNT))
+            .interact(|c| {
+                c.execute_batch(CREATE_ACCOUNT)?;
+                c.execute_batch(CREATE_ORDER)
+            })
             .await
     }
 
@@ -168,6 +180,75 @@ impl Bank for SqliteBank {
         amount: i64,
     ) -> BoxFuture<'_, Result<Balance, BankError>> {
         run_effect(tx, account, amount, false)
+    }
+
+    fn create_order(
+        tx: &mut SqliteTx,
+        principal: String,
+        amount: i64,
+    ) -> BoxFuture<'_, Result<i64, BankError>> {
+        Box::pin(tx.run(move |c| {
+            c.query_row(
+                "INSERT INTO idem_demo_order (principal, amount, status) \
+                 VALUES (?1, ?2, 'pending') RETURNING order_id",
+                params![principal, amount],
+                |r| r.get::<_, i64>(0),
+            )
+            .map_err(|e| BankError::Db(db_error(e)))
+        }))
+    }
+
+    fn pay_order(
+        tx: &mut SqliteTx,
+        order_id: i64,
+        charge_id: String,
+    ) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(tx.run(move |c| {
+            let changed = c
+                .execute(
+                    "UPDATE idem_demo_order SET status = 'paid', charge_id = ?2 \
+                     WHERE order_id = ?1 AND status = 'pending'",
+                    params![order_id, charge_id],
+                )
+                .map_err(db_error)?;
+            if changed == 1 {
+                Ok(())
+            } else {
+                Err(BankError::NoOrder(order_id))
+            }
+        }))
+    }
+
+    fn fail_order(tx: &mut SqliteTx, order_id: i64) -> BoxFuture<'_, Result<(), BankError>> {
+        Box::pin(tx.run(move |c| {
+            let changed = c
+                .execute(
+                    "UPDATE idem_demo_order SET status = 'failed' \
+                     WHERE order_id = ?1 AND status = 'pending'",
+                    [order_id],
+                )
+                .map_err(db_error)?;
+            if changed == 1 {
+                Ok(())
+            } else {
+                Err(BankError::NoOrder(order_id))
+            }
+        }))
+    }
+
+    async fn count_orders(&self, status: &str) -> Result<u64, DbError> {
+        let status = status.to_owned();
+        let n: i64 = self
+            .backend
+            .interact(move |c| {
+                c.query_row(
+                    "SELECT count(*) FROM idem_demo_order WHERE status = ?1",
+                    [status],
+                    |r| r.get(0),
+                )
+            })
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
     }
 
     async fn insert_record_directly(

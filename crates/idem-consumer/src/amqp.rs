@@ -32,6 +32,9 @@ use crate::error::ConsumerError;
 use crate::handler::{Consumer, Event, Failures, Handler, Stats};
 use crate::{DETAIL_HEADER, REASON_HEADER, SUBSCRIBER_HEADER};
 
+mod publisher;
+pub use publisher::{AmqpPublisher, DEFAULT_CONFIRM_TIMEOUT};
+
 /// Where to consume from.
 #[derive(Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -97,21 +100,7 @@ impl AmqpConfig {
 
 /// The URL with any password replaced by `***`.
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            match userinfo.find(':') {
-                Some(colon) => format!(
-                    "{}{}:***{}",
-                    &url[..scheme + 3],
-                    &userinfo[..colon],
-                    &url[at..]
-                ),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
+    crate::publish::redact(url)
 }
 
 fn broker(action: impl Into<String>) -> impl FnOnce(lapin::Error) -> ConsumerError {

@@ -29,10 +29,19 @@
 //! `nats::run`. The `idem consume` command (crates/idem-cli/src/consume.rs) is a complete
 //! example: the demo's credit on any engine. docs/consumers.md describes each broker's
 //! message ID, redelivery window and dead-lettering.
+//!
+//! The other direction, the transactional outbox: [`idem_core::Idem::relay`] publishes
+//! the messages effects enqueued, in order per destination, through an
+//! [`idem_core::Publisher`]: `amqp::AmqpPublisher` (default exchange, routing key = the
+//! destination, `message_id`, persistent, publisher confirms) or `nats::NatsPublisher`
+//! (JetStream, subject = the destination, `Nats-Msg-Id`, PubAck). A message counts as
+//! published only once the broker confirmed it; failures are [`PublishError`]s. The
+//! `idem relay` command (crates/idem-cli/src/relay.rs) runs the relay on any engine.
 
 mod decision;
 mod error;
 mod handler;
+mod publish;
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
@@ -42,6 +51,7 @@ pub mod nats;
 pub use decision::{DeadLetterReason, Decision, classify};
 pub use error::ConsumerError;
 pub use handler::{Backoff, Consumer, Event, Failures, Handler, OnEffectError, Options, Stats};
+pub use publish::PublishError;
 pub use tokio_util::sync::CancellationToken;
 
 #[cfg(feature = "nats")]

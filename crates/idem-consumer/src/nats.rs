@@ -33,6 +33,9 @@ use crate::error::ConsumerError;
 use crate::handler::{Consumer, Event, Failures, Handler, Stats};
 use crate::{DETAIL_HEADER, REASON_HEADER, SUBSCRIBER_HEADER};
 
+mod publisher;
+pub use publisher::{DEFAULT_STREAM, NatsPublisher};
+
 /// The header JetStream publishers set for deduplication, used as the message ID.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";
 

@@ -120,6 +120,11 @@ pub enum Table {
     Requests,
     /// Processed-message records.
     Messages,
+    /// Phased runs (`idem_run`): expired ones, like request records.
+    Runs,
+    /// Outbox messages already sent (`idem_outbox`, `sent_at` set at least
+    /// `older_than` ago); unsent messages are never purged.
+    Outbox,
 }
 
 /// One engine's implementation of the idempotency-record protocol.

@@ -219,6 +219,13 @@ pub enum Error<E> {
         /// How long this call waited for the other one.
         waited: std::time::Duration,
     },
+    /// This call owned a phased run, but its lease ended and another call took the run
+    /// over: this call's write was refused (fencing) and rolled back. The new owner
+    /// carries the run on; retry with the same key to learn its answer.
+    LeaseLost {
+        /// This call's fencing generation (the new owner's is higher).
+        fence: i64,
+    },
     /// A stored final rejection was replayed by a call that expects successes only
     /// (the operation stored it with [`crate::Idem::execute_final`]).
     StoredRejection(Value),
@@ -258,6 +265,7 @@ impl<E> Error<E> {
                 Error::PayloadMismatch { stored, supplied }
             }
             Self::InProgress { waited } => Error::InProgress { waited },
+            Self::LeaseLost { fence } => Error::LeaseLost { fence },
             Self::StoredRejection(v) => Error::StoredRejection(v),
             Self::RetriesExhausted { attempts, last } => Error::RetriesExhausted { attempts, last },
             Self::Decode(e) => Error::Decode(e),
@@ -295,6 +303,11 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
                 f,
                 "a request with this key is still in progress (waited {} ms); retry later with the same key",
                 waited.as_millis()
+            ),
+            Self::LeaseLost { fence } => write!(
+                f,
+                "the lease of this run (fence {fence}) ended and another call took it over; \
+                 this call's write was refused and rolled back"
             ),
             Self::StoredRejection(v) => write!(f, "the stored response is a final rejection: {v}"),
             Self::RetriesExhausted { attempts, last } => {

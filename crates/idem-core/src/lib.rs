@@ -20,8 +20,11 @@ mod error;
 mod ident;
 mod migrate;
 pub mod observe;
+pub mod outbox;
+mod phased;
 mod protocol;
 mod request;
+pub mod runs;
 
 pub use backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
 pub use blocking::{DEFAULT_ACQUIRE_TIMEOUT, PoolOptions};
@@ -31,9 +34,14 @@ pub use ident::{
     DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber,
 };
 pub use migrate::Migration;
+pub use outbox::{Outgoing, Publisher, RelayError, RelayFailure, RelayReport};
+pub use phased::{
+    CompleteReport, DEFAULT_LEASE, Finished, MIN_LEASE, OperationReport, Run, Started,
+};
 pub use protocol::{
     BoxFuture, Consumed, DEFAULT_MAX_JSON_BYTES, DEFAULT_WAIT, Idem, MIN_RETENTION, Outcome,
     PurgeReport, RetryPolicy,
 };
 pub use request::{MAX_JSON_DEPTH, Request};
+pub use runs::{OutboxStore, RunStore};
 pub use serde_json;

@@ -141,7 +141,7 @@ impl Outcome {
             Error::InvalidInput(_) => Self::InvalidInput,
             Error::KeyReused { .. } | Error::PayloadMismatch { .. } => Self::KeyReused,
             Error::Effect(_) => Self::EffectFailed,
-            Error::InProgress { .. } => Self::InProgress,
+            Error::InProgress { .. } | Error::LeaseLost { .. } => Self::InProgress,
             // A stored final rejection is a replay, refused only by the caller's type.
             Error::StoredRejection(_) => Self::Replayed,
             Error::RetriesExhausted { .. } => Self::RetriesExhausted,

@@ -140,6 +140,10 @@ pub struct PurgeReport {
     pub requests: u64,
     /// Processed-message records deleted.
     pub messages: u64,
+    /// Phased runs deleted.
+    pub runs: u64,
+    /// Sent outbox messages deleted.
+    pub outbox: u64,
     /// Delete statements run.
     pub batches: u32,
     /// Batches that hit a busy database, a deadlock or a lock timeout and were run again
@@ -165,6 +169,7 @@ pub struct Idem<B> {
     wait: Duration,
     max_request_bytes: usize,
     max_response_bytes: usize,
+    lease: Duration,
 }
 
 /// The default limit on a request's (or message payload's) canonical JSON, and on a
@@ -185,6 +190,7 @@ impl<B: fmt::Debug> fmt::Debug for Idem<B> {
             .field("wait", &self.wait)
             .field("max_request_bytes", &self.max_request_bytes)
             .field("max_response_bytes", &self.max_response_bytes)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -209,6 +215,55 @@ impl<B: Backend> Idem<B> {
             wait: DEFAULT_WAIT,
             max_request_bytes: DEFAULT_MAX_JSON_BYTES,
             max_response_bytes: DEFAULT_MAX_JSON_BYTES,
+            lease: crate::phased::DEFAULT_LEASE,
+        }
+    }
+
+    /// Sets the lease of a phased run's owner (default
+    /// [`crate::phased::DEFAULT_LEASE`], at least [`crate::phased::MIN_LEASE`]): while
+    /// it lasts, retries of the key get [`Error::InProgress`]; once it has ended, the
+    /// next retry takes the run over. Every committed phase renews it; renew it during a
+    /// long external call with [`crate::Run::heartbeat`].
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// The lease of a phased run's owner.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The wait bound ([`Idem::with_wait_timeout`]).
+    pub fn wait_timeout(&self) -> Duration {
+        self.wait
+    }
+
+    /// The request size limit ([`Idem::with_max_request_bytes`]).
+    pub fn max_request_bytes(&self) -> usize {
+        self.max_request_bytes
+    }
+
+    /// The response size limit ([`Idem::with_max_response_bytes`]).
+    pub fn max_response_bytes(&self) -> usize {
+        self.max_response_bytes
+    }
+
+    /// Sleeps before attempt `attempt + 1` after the retryable `last`, or gives up.
+    pub(crate) async fn pause<E>(&self, attempt: u32, last: DbError) -> Result<(), Error<E>> {
+        self.next_attempt(Step::Retry(last), attempt).await
+    }
+
+    /// An effect's error: the engine error to retry after (a deadlock inside it), or
+    /// the call's final error.
+    pub(crate) fn effect_retry<E: EffectError<M>, M>(&self, e: E) -> Result<DbError, Error<E>> {
+        match self.classify_chain(e.as_std_error()) {
+            Some(kind) if kind.is_retryable() => {
+                let msg = e.to_string();
+                Ok(DbError::new("effect", kind, msg).with_boxed_source(e.into_std_error()))
+            }
+            _ => Err(Error::Effect(e)),
         }
     }
 
@@ -557,14 +612,9 @@ impl<B: Backend> Idem<B> {
                 // (a dead connection), the server rolls the transaction back anyway and
                 // the backend discards the connection.
                 let _ = self.backend.finish(tx, claim, Finish::Rollback).await;
-                match self.classify_chain(e.as_std_error()) {
-                    Some(kind) if kind.is_retryable() => {
-                        let msg = e.to_string();
-                        Err(Step::Retry(
-                            DbError::new("effect", kind, msg).with_boxed_source(e.into_std_error()),
-                        ))
-                    }
-                    _ => Err(Step::Fail(Error::Effect(e))),
+                match self.effect_retry(e) {
+                    Ok(db) => Err(Step::Retry(db)),
+                    Err(e) => Err(Step::Fail(e)),
                 }
             }
         }
@@ -662,7 +712,7 @@ impl<B: Maintenance> Idem<B> {
             ));
         }
         let mut report = PurgeReport::default();
-        for table in [Table::Requests, Table::Messages] {
+        for table in [Table::Requests, Table::Messages, Table::Runs, Table::Outbox] {
             loop {
                 let mut attempt = 0;
                 let n = loop {
@@ -686,6 +736,8 @@ impl<B: Maintenance> Idem<B> {
                 match table {
                     Table::Requests => report.requests += n,
                     Table::Messages => report.messages += n,
+                    Table::Runs => report.runs += n,
+                    Table::Outbox => report.outbox += n,
                 }
                 progress(&report);
                 if n < u64::from(batch) {
@@ -738,11 +790,23 @@ fn to_json<T: Serialize, E>(value: &T, max_bytes: usize) -> Result<String, Step<
     Ok(text)
 }
 
+/// [`to_json`] for phased runs: the value's JSON, or the caller's input error.
+pub(crate) fn response_json<T: Serialize>(
+    value: &T,
+    max_bytes: usize,
+) -> Result<String, InvalidInput> {
+    match to_json::<T, ()>(value, max_bytes) {
+        Ok(text) => Ok(text),
+        Err(Step::Fail(Error::InvalidInput(e))) => Err(e),
+        Err(_) => Err(InvalidInput::new("response", "cannot be stored")),
+    }
+}
+
 /// The shortest retention a call accepts.
 pub const MIN_RETENTION: Duration = Duration::from_secs(1);
 
 /// Refuses a retention window too short to be safe.
-fn check_retention(what: &'static str, retention: Duration) -> Result<(), InvalidInput> {
+pub(crate) fn check_retention(what: &'static str, retention: Duration) -> Result<(), InvalidInput> {
     if retention < MIN_RETENTION {
         return Err(InvalidInput::new(
             what,

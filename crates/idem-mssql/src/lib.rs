@@ -128,6 +128,16 @@
 //! # Ok(()) }
 //! ```
 //!
+//! # Phased runs and the outbox
+//!
+//! [`MssqlBackend`] implements [`idem_core::RunStore`] and [`idem_core::OutboxStore`]
+//! (migration 0003: `idem_run`, `idem_outbox`; not verified live). Their transactions
+//! open like a claim's and always run at READ COMMITTED: a run's row is read
+//! `WITH (UPDLOCK, HOLDLOCK, ROWLOCK)`, the relay locks the oldest unsent messages
+//! `WITH (UPDLOCK, READPAST, ROWLOCK)` and reads a destination's unsent ids with a plain
+//! read. `Idem::start` bounds its lock waits with `SET LOCK_TIMEOUT` (the session's own
+//! value is set back at `COMMIT`/`ROLLBACK`); 1222 is [`ErrorKind::LockTimeout`].
+//!
 //! An effect must not `COMMIT` or `ROLLBACK` itself, nor enable `XACT_ABORT` and then
 //! swallow an error: completing a record whose transaction already ended fails instead
 //! of committing (the record is missing), so nothing is stored as done.
@@ -146,6 +156,7 @@
 pub mod error_codes;
 mod options;
 mod pool;
+mod runs;
 mod sql;
 
 use std::error::Error as StdError;
@@ -186,6 +197,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_expiry.sql",
         sql: include_str!("../../../migrations/mssql/0002_expiry.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_runs_and_outbox.sql",
+        sql: include_str!("../../../migrations/mssql/0003_runs_and_outbox.sql"),
+    },
 ];
 
 /// The longest retention expressed exactly: 700,000 days (about 1,916 years). Longer
@@ -211,6 +227,9 @@ impl fmt::Debug for MssqlBackend {
 /// rolls back with the idempotency record.
 pub struct MssqlTx {
     lease: Lease,
+    /// The session's own `LOCK_TIMEOUT` (-1: no limit), when `begin_runs` bounded it:
+    /// set back when the transaction ends.
+    restore_lock_timeout: Option<i32>,
 }
 
 impl fmt::Debug for MssqlTx {
@@ -399,6 +418,45 @@ impl MssqlBackend {
         self.pool.close();
     }
 
+    /// Opens a transaction on a pooled session with `begin` (a batch that starts with
+    /// [`sql::CLAIM_STATE`] and ends with `BEGIN TRANSACTION`): returns the lease and
+    /// the session's `LOCK_TIMEOUT` from before the batch (-1: no limit). A session that
+    /// was already inside a transaction is discarded, and the call fails before
+    /// anything runs.
+    pub(crate) async fn open_transaction(&self, begin: &str) -> Result<(Lease, i32), DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let row = match lease.begin(begin).await {
+            Ok(row) => row,
+            Err(e) => {
+                let e = db_error_in("beginning the transaction", e);
+                return Err(self.rollback_after(lease, e).await);
+            }
+        };
+        let before = row
+            .as_ref()
+            .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+        if before != Some(0) {
+            // Never reuse a session whose transaction state is not idem's.
+            lease.discard();
+            let e = DbError::new(
+                ENGINE,
+                ErrorKind::Other,
+                format!(
+                    "the pooled session was already inside a transaction \
+                     (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
+                     SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
+                     discarded and nothing ran"
+                ),
+            );
+            return Err(self.rollback_after(lease, e).await);
+        }
+        let session_lock_timeout = row
+            .as_ref()
+            .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
+            .unwrap_or(-1);
+        Ok((lease, session_lock_timeout))
+    }
+
     async fn rollback_after(&self, mut lease: Lease, error: DbError) -> DbError {
         // Best effort: if the rollback fails the lease is closed, which rolls back too.
         let _ = lease.rollback().await;
@@ -432,37 +490,8 @@ impl ClaimSteps for MssqlBackend {
     }
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MssqlOpen>, DbError> {
-        let mut lease = self.pool.acquire().await?;
         let begin = begin_batch(self.pool.options.isolation, claim.wait);
-        let row = match lease.begin(&begin).await {
-            Ok(row) => row,
-            Err(e) => {
-                let e = db_error_in("beginning the claim's transaction", e);
-                return Err(self.rollback_after(lease, e).await);
-            }
-        };
-        let before = row
-            .as_ref()
-            .and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
-        if before != Some(0) {
-            // Never reuse a session whose transaction state is not idem's.
-            lease.discard();
-            let e = DbError::new(
-                ENGINE,
-                ErrorKind::Other,
-                format!(
-                    "the pooled session was already inside a transaction \
-                     (@@TRANCOUNT = {before:?} before BEGIN; left open by interact, \
-                     SET IMPLICIT_TRANSACTIONS ON or a procedure); the connection was \
-                     discarded and nothing ran"
-                ),
-            );
-            return Err(self.rollback_after(lease, e).await);
-        }
-        let session_lock_timeout = row
-            .as_ref()
-            .and_then(|r| r.try_get::<i32, _>(1).ok().flatten())
-            .unwrap_or(-1);
+        let (lease, session_lock_timeout) = self.open_transaction(&begin).await?;
         Ok(Begun::Open(MssqlOpen {
             lease,
             session_lock_timeout,
@@ -548,7 +577,10 @@ impl ClaimSteps for MssqlBackend {
     }
 
     fn won(&self, open: MssqlOpen, _claim: &Claim<'_>) -> MssqlTx {
-        MssqlTx { lease: open.lease }
+        MssqlTx {
+            lease: open.lease,
+            restore_lock_timeout: None,
+        }
     }
 
     async fn rollback(&self, open: MssqlOpen) -> Result<(), DbError> {
@@ -786,6 +818,8 @@ impl Maintenance for MssqlBackend {
         let statement = match table {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
+            Table::Runs => sql::PURGE_RUNS,
+            Table::Outbox => sql::PURGE_OUTBOX,
         };
         let (days, secs, micros) = cutoff_parts(older_than);
         let mut lease = self.pool.acquire().await?;
@@ -908,6 +942,39 @@ mod tests {
         );
         assert!(statements[1].contains("DATEADD(hour, 24, created_at)"));
         assert!(statements[4].contains("DATEADD(hour, 24, processed_at)"));
+    }
+
+    #[test]
+    fn migration_0003_creates_runs_and_the_outbox_guarded() {
+        assert_eq!(MIGRATIONS.len(), 3);
+        assert_eq!(MIGRATIONS[2].version, 3);
+        let statements = MIGRATIONS[2].statements();
+        assert_eq!(statements.len(), 6, "{statements:#?}");
+        for s in &statements {
+            assert!(s.starts_with("IF "), "every statement is guarded: {s}");
+            assert!(!s.trim_end().ends_with(';'), "{s}");
+        }
+        assert!(statements[0].contains("CREATE TABLE idem_run"));
+        assert!(statements[3].contains("CREATE TABLE idem_outbox"));
+        let all = statements
+            .join(" ")
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        for column in [
+            "principal",
+            "operation",
+            "request_key",
+            "destination",
+            "message_id",
+        ] {
+            assert!(
+                all.contains(&format!("{column} varbinary(255) NOT NULL")),
+                "{column} is not varbinary(255)"
+            );
+        }
+        assert!(all.contains("id bigint IDENTITY(1, 1) NOT NULL"));
+        assert!(all.contains("CREATE INDEX idem_outbox_unsent ON idem_outbox (destination, id)"));
     }
 
     #[test]

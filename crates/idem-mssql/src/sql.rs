@@ -193,6 +193,116 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     cutoff!(1, 2, 3)
 );
 
+// Phased runs and the outbox (migration 0003). Run statements run inside the
+// transaction `begin_runs` opened (READ COMMITTED, `XACT_ABORT OFF`, like a claim's);
+// `STALLED_RUNS` runs on its own.
+
+/// A new run. A conflicting key waits for the transaction holding it (bounded by
+/// `LOCK_TIMEOUT`: 1222), then succeeds (that one rolled back) or fails with 2627 (it
+/// committed; with `XACT_ABORT OFF` only the statement ends). Params: principal,
+/// operation, key, request, owner, fence, point, lease (days, seconds, microseconds),
+/// retention (days, seconds, microseconds).
+pub(crate) const INSERT_RUN: &str = concat!(
+    "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, \
+     lease_until, created_at, updated_at, expires_at) \
+     VALUES (@P1, @P2, @P3, @P4, @P5, @P6, @P7, ",
+    expiry!(8, 9, 10),
+    ", SYSUTCDATETIME(), SYSUTCDATETIME(), ",
+    expiry!(11, 12, 13),
+    ")"
+);
+/// Reads a run and locks its row until the transaction ends: `UPDLOCK` (an update lock,
+/// which also makes the read a locking read of the latest committed version under
+/// READ_COMMITTED_SNAPSHOT) held to the end by `HOLDLOCK`, on the row only.
+/// Params: principal, operation, key.
+pub(crate) const SELECT_RUN: &str = concat!(
+    "SELECT request, owner, fence, point, state, status, response, \
+     CASE WHEN lease_until <= SYSUTCDATETIME() THEN 1 ELSE 0 END AS lease_over, \
+     CASE WHEN expires_at <= SYSUTCDATETIME() THEN 1 ELSE 0 END AS expired \
+     FROM idem_run WITH (UPDLOCK, HOLDLOCK, ROWLOCK) WHERE ",
+    request_pk!()
+);
+/// The guarded write: changes the row only while its owner is the expected one and it
+/// has no final answer. SQL Server counts the rows the `WHERE` matched. Params:
+/// principal, operation, key, expected owner, owner, fence, point, state, status,
+/// response, lease (days, seconds, microseconds).
+pub(crate) const WRITE_RUN: &str = concat!(
+    counted!(),
+    "UPDATE idem_run SET owner = @P5, fence = @P6, point = @P7, state = @P8, status = @P9, \
+     response = @P10, lease_until = ",
+    expiry!(11, 12, 13),
+    ", updated_at = SYSUTCDATETIME() WHERE ",
+    request_pk!(),
+    " AND owner = @P4 AND status IS NULL"
+);
+/// Deletes a run while its owner is the expected one (an expired run being replaced).
+/// Params: principal, operation, key, expected owner.
+pub(crate) const DELETE_RUN: &str = concat!(
+    counted!(),
+    "DELETE FROM idem_run WHERE ",
+    request_pk!(),
+    " AND owner = @P4"
+);
+/// Unexpired runs without a final answer whose lease ended, the longest-stalled first:
+/// an autocommit read pinned to READ COMMITTED (inside `sp_executesql` the SET lasts
+/// for this call). Params: limit.
+pub(crate) const STALLED_RUNS: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+     SELECT TOP (@P1) principal, operation, request_key, point FROM idem_run \
+     WHERE status IS NULL AND lease_until <= SYSUTCDATETIME() AND expires_at > SYSUTCDATETIME() \
+     ORDER BY lease_until";
+
+/// Stores a message in the caller's transaction. Params: destination, message ID,
+/// payload.
+pub(crate) const ENQUEUE: &str =
+    "INSERT INTO idem_outbox (destination, message_id, payload) VALUES (@P1, @P2, @P3)";
+/// Locks the oldest unsent messages, skipping rows other transactions hold (another
+/// relay's, or a producer's uncommitted insert). Params: limit.
+pub(crate) const LOCK_UNSENT: &str = "SELECT TOP (@P1) id, destination, message_id, payload \
+     FROM idem_outbox WITH (UPDLOCK, READPAST, ROWLOCK) WHERE sent_at IS NULL ORDER BY id";
+/// Every unsent message of a destination up to an id, rows other relays hold included
+/// (a plain READ COMMITTED read: a shared lock is compatible with their update locks,
+/// and READ_COMMITTED_SNAPSHOT reads versions). Params: destination, up to (id).
+pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = @P1 AND sent_at IS NULL AND id <= @P2 ORDER BY id";
+/// The start of [`mark_sent`]'s statement.
+pub(crate) const MARK_SENT: &str =
+    "UPDATE idem_outbox SET sent_at = SYSUTCDATETIME() WHERE id IN (";
+/// The most ids one [`mark_sent`] statement binds (a request takes at most 2,100
+/// parameters).
+pub(crate) const MARK_SENT_CHUNK: usize = 1000;
+
+/// Marks `n` messages sent: [`MARK_SENT`] with `@P1 … @Pn` (`n` ≥ 1). Params: the ids.
+pub(crate) fn mark_sent(n: usize) -> String {
+    let mut sql = String::from(MARK_SENT);
+    for i in 1..=n.max(1) {
+        if i > 1 {
+            sql.push_str(", ");
+        }
+        sql.push_str("@P");
+        sql.push_str(&i.to_string());
+    }
+    sql.push(')');
+    sql
+}
+
+/// One bounded batch of runs that are expired **and** were started at least the given
+/// age ago (like [`PURGE_REQUESTS`]). Params: older than (days, seconds, microseconds),
+/// limit.
+pub(crate) const PURGE_RUNS: &str = concat!(
+    counted!(),
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
+    "DELETE TOP (@P4) FROM idem_run WHERE expires_at <= SYSUTCDATETIME() AND created_at <= ",
+    cutoff!(1, 2, 3)
+);
+/// One bounded batch of messages sent at least the given age ago; unsent ones are never
+/// purged. Params: older than (days, seconds, microseconds), limit.
+pub(crate) const PURGE_OUTBOX: &str = concat!(
+    counted!(),
+    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; ",
+    "DELETE TOP (@P4) FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
+    cutoff!(1, 2, 3)
+);
+
 /// Serializes concurrent migrators of one database and schema: an exclusive
 /// application lock owned by the migration's transaction (released by COMMIT or
 /// ROLLBACK). Returns sp_getapplock's status: 0 or 1 granted, negative refused.
@@ -233,6 +343,16 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("lookup_message", LOOKUP_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
+    ("insert_run", INSERT_RUN),
+    ("select_run", SELECT_RUN),
+    ("write_run", WRITE_RUN),
+    ("delete_run", DELETE_RUN),
+    ("stalled_runs", STALLED_RUNS),
+    ("enqueue", ENQUEUE),
+    ("lock_unsent", LOCK_UNSENT),
+    ("unsent_ids", UNSENT_IDS),
+    ("purge_runs", PURGE_RUNS),
+    ("purge_outbox", PURGE_OUTBOX),
     ("migration_lock", MIGRATION_LOCK),
     ("create_migrations", CREATE_MIGRATIONS),
     ("select_migrations", SELECT_MIGRATIONS),
@@ -290,6 +410,16 @@ mod tests {
             ("lookup_message", 2),
             ("purge_requests", 4),
             ("purge_messages", 4),
+            ("insert_run", 13),
+            ("select_run", 3),
+            ("write_run", 13),
+            ("delete_run", 4),
+            ("stalled_runs", 1),
+            ("enqueue", 3),
+            ("lock_unsent", 1),
+            ("unsent_ids", 2),
+            ("purge_runs", 4),
+            ("purge_outbox", 4),
             ("insert_migration", 2),
             ("begin_read_committed", 0),
             ("migration_lock", 0),
@@ -303,6 +433,45 @@ mod tests {
             let (max, dense) = placeholders(sql);
             assert_eq!(max, want, "{name}: highest placeholder");
             assert!(dense, "{name}: placeholders are not 1..={max}");
+        }
+    }
+
+    #[test]
+    fn built_statements_snapshot() {
+        let text = [1, 3]
+            .map(|n| format!("-- mark_sent({n})\n{};\n", super::mark_sent(n)))
+            .join("\n");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn mark_sent_binds_one_dense_placeholder_per_id() {
+        for n in [1, 2, 9, 10, super::MARK_SENT_CHUNK] {
+            let sql = super::mark_sent(n);
+            assert_eq!(placeholders(&sql), (n, true), "{sql}");
+            assert_eq!(sql.matches("@P").count(), n, "{sql}");
+        }
+        // Never an empty `IN ()`, which is a syntax error.
+        assert!(super::mark_sent(0).ends_with("(@P1)"));
+    }
+
+    #[test]
+    fn run_statements_lock_what_they_must() {
+        assert!(super::SELECT_RUN.contains("WITH (UPDLOCK, HOLDLOCK, ROWLOCK)"));
+        assert!(super::LOCK_UNSENT.contains("WITH (UPDLOCK, READPAST, ROWLOCK)"));
+        for plain in [super::UNSENT_IDS, super::STALLED_RUNS] {
+            assert!(
+                !plain.contains("WITH ("),
+                "{plain}: must not skip or take locks"
+            );
+        }
+        for counted in [
+            super::WRITE_RUN,
+            super::DELETE_RUN,
+            super::PURGE_RUNS,
+            super::PURGE_OUTBOX,
+        ] {
+            assert!(counted.starts_with("SET NOCOUNT OFF; "), "{counted}");
         }
     }
 

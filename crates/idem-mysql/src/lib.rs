@@ -88,13 +88,28 @@
 //!
 //! [`MysqlBackend::connect`] opens a `mysql_async::Pool` of up to
 //! [`DEFAULT_MAX_CONNECTIONS`] connections unless the URL sets `pool_min`/`pool_max`;
-//! each idem call holds one connection for its transaction. Transactions keep the
+//! each idem call holds one connection for its transaction. Claim transactions keep the
 //! session's isolation level (InnoDB's default REPEATABLE READ); the claim is equally
-//! correct under READ COMMITTED, since its re-read is a locking read. `migrate` takes a
+//! correct under READ COMMITTED, since its re-read is a locking read. Phased-run and
+//! outbox transactions run at READ COMMITTED (see below). `migrate` takes a
 //! named lock per database (`GET_LOCK`), so concurrent migrators apply each version
 //! once; DDL commits implicitly in MySQL, so every statement is `IF NOT EXISTS` and the
 //! version is recorded after its statements. `purge_batch` is one
 //! `DELETE … ORDER BY expires_at LIMIT n`.
+//!
+//! # Phased runs and the outbox
+//!
+//! [`MysqlBackend`] implements [`idem_core::RunStore`] and [`idem_core::OutboxStore`]
+//! (migration 0003: `idem_run`, `idem_outbox`). Their transactions run at **READ
+//! COMMITTED** (set for that transaction only): the relay's plain read of unsent ids then
+//! sees the latest committed rows, and its `FOR UPDATE SKIP LOCKED` (MariaDB 10.6+,
+//! MySQL 8.0+) takes no gap locks that would hold up producers' inserts; a phase's
+//! effect runs under it too. `Idem::start` bounds its lock waits with
+//! `innodb_lock_wait_timeout` (saved, then restored before `COMMIT`/`ROLLBACK`, like the
+//! claim); 1205 is [`ErrorKind::LockTimeout`]. A run's guarded write always moves
+//! `updated_at` forward, so the affected-row count (changed rows) is the matched rows.
+//! Before that write and before `COMMIT`, the server's "in transaction" flag is checked,
+//! so a phase whose effect swallowed a deadlock is refused rather than recorded.
 //!
 //! # Effects
 //!
@@ -140,6 +155,7 @@
 
 pub mod error_codes;
 pub mod galera;
+mod runs;
 mod sql;
 
 use std::error::Error as StdError;
@@ -176,6 +192,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0002_expiry.sql",
         sql: include_str!("../../../migrations/mysql/0002_expiry.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_runs_and_outbox.sql",
+        sql: include_str!("../../../migrations/mysql/0003_runs_and_outbox.sql"),
+    },
 ];
 
 /// The pool's size when the URL sets neither `pool_min` nor `pool_max`: room for 32
@@ -202,6 +223,9 @@ const ENGINE: &str = "mysql";
 #[derive(Debug)]
 pub struct MysqlTx {
     tx: Transaction<'static>,
+    /// `begin_runs` bounded the session's `innodb_lock_wait_timeout`: give it back
+    /// before the transaction ends.
+    restore_lock_wait: bool,
 }
 
 impl MysqlTx {
@@ -608,7 +632,10 @@ impl ClaimSteps for MysqlBackend {
     }
 
     fn won(&self, open: MysqlOpen, _claim: &Claim<'_>) -> MysqlTx {
-        MysqlTx { tx: open.tx }
+        MysqlTx {
+            tx: open.tx,
+            restore_lock_wait: false,
+        }
     }
 
     async fn rollback(&self, open: MysqlOpen) -> Result<(), DbError> {
@@ -810,6 +837,8 @@ impl Maintenance for MysqlBackend {
         let statement = match table {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
+            Table::Runs => sql::PURGE_RUNS,
+            Table::Outbox => sql::PURGE_OUTBOX,
         };
         let mut conn = self.conn().await?;
         conn.exec_drop(statement, (window_micros(older_than), limit))
@@ -958,9 +987,20 @@ mod tests {
 
     #[test]
     fn migration_is_embedded() {
-        assert_eq!(MIGRATIONS.len(), 2);
+        assert_eq!(MIGRATIONS.len(), 3);
         assert_eq!(MIGRATIONS[0].version, 1);
         assert_eq!(MIGRATIONS[1].version, 2);
+        assert_eq!(MIGRATIONS[2].version, 3);
+        assert!(
+            MIGRATIONS[2]
+                .sql
+                .contains("CREATE TABLE IF NOT EXISTS idem_run (")
+        );
+        assert!(
+            MIGRATIONS[2]
+                .sql
+                .contains("CREATE TABLE IF NOT EXISTS idem_outbox (")
+        );
         assert!(MIGRATIONS[1].sql.contains("expires_at"));
         assert!(MIGRATIONS[0].sql.contains("idem_request_result"));
         assert!(MIGRATIONS[0].sql.contains("idem_processed_message"));

@@ -149,6 +149,109 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " ORDER BY expires_at LIMIT ?"
 );
 
+// Phased runs and the outbox (migration 0003). Run statements run inside the
+// transaction `begin_runs` opened (READ COMMITTED); `STALLED_RUNS` runs on its own.
+
+/// A new run. A conflicting uncommitted row makes it wait for that transaction (bounded
+/// by `innodb_lock_wait_timeout`); a committed one fails it with 1062 (only this
+/// statement is rolled back). One `UTC_TIMESTAMP(6)` reading for every time column.
+/// Params: principal, operation, key, request, owner, fence, point, lease (µs),
+/// retention (µs).
+pub(crate) const INSERT_RUN: &str = concat!(
+    "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, \
+     lease_until, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ",
+    expiry!(),
+    ", UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), ",
+    expiry!(),
+    ")"
+);
+/// Reads a run and locks its row until the transaction ends (a locking read: the latest
+/// committed version, whatever the isolation level). Params: principal, operation, key.
+pub(crate) const SELECT_RUN: &str = concat!(
+    "SELECT request, owner, fence, point, state, status, response, \
+     lease_until <= UTC_TIMESTAMP(6) AS lease_over, expires_at <= UTC_TIMESTAMP(6) AS expired \
+     FROM idem_run WHERE ",
+    request_pk!(),
+    " FOR UPDATE"
+);
+/// The guarded write: changes the row only while its owner is the expected one and it
+/// has no final answer. Without `CLIENT_FOUND_ROWS` the server counts *changed* rows,
+/// so `updated_at` moves forward by at least 1 µs on every write: a matched row is
+/// always a changed row, and the count says "matched". Params: owner, fence, point,
+/// state, status, response, lease (µs), principal, operation, key, expected owner.
+pub(crate) const WRITE_RUN: &str = concat!(
+    "UPDATE idem_run SET owner = ?, fence = ?, point = ?, state = ?, status = ?, response = ?, \
+     lease_until = ",
+    expiry!(),
+    ", updated_at = GREATEST(UTC_TIMESTAMP(6), updated_at + INTERVAL 1 MICROSECOND) WHERE ",
+    request_pk!(),
+    " AND owner = ? AND status IS NULL"
+);
+/// Deletes a run while its owner is the expected one (an expired run being replaced).
+/// Params: principal, operation, key, expected owner.
+pub(crate) const DELETE_RUN: &str = concat!(
+    "DELETE FROM idem_run WHERE ",
+    request_pk!(),
+    " AND owner = ?"
+);
+/// Unexpired runs without a final answer whose lease ended, the longest-stalled first
+/// (an autocommit read after [`READ_COMMITTED`]). Params: limit.
+pub(crate) const STALLED_RUNS: &str = "SELECT principal, operation, request_key, point FROM idem_run \
+     WHERE status IS NULL AND lease_until <= UTC_TIMESTAMP(6) AND expires_at > UTC_TIMESTAMP(6) \
+     ORDER BY lease_until LIMIT ?";
+/// Asks the server for its status flags (a no-op whose OK packet says whether the
+/// session is still inside a transaction): before a run's guarded write and its
+/// `COMMIT`, when the last packet did not already say so.
+pub(crate) const STATUS_PROBE: &str = "DO 0";
+
+/// Stores a message in the caller's transaction. Params: destination, message ID,
+/// payload.
+pub(crate) const ENQUEUE: &str = "INSERT INTO idem_outbox (destination, message_id, payload, created_at) \
+     VALUES (?, ?, ?, UTC_TIMESTAMP(6))";
+/// Locks the oldest unsent messages, skipping rows another relay holds (MariaDB 10.6+,
+/// MySQL 8.0+). Under READ COMMITTED the locking read takes no gap locks, so producers'
+/// `INSERT`s never wait for a relay. Params: limit.
+pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
+     WHERE sent_at IS NULL ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED";
+/// Every unsent message of a destination up to an id, rows other relays hold included:
+/// a plain (consistent, non-locking) read, which under READ COMMITTED sees the latest
+/// committed rows. Params: destination, up to (id).
+pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = ? AND sent_at IS NULL AND id <= ? ORDER BY id";
+/// The start of [`mark_sent`]'s statement.
+pub(crate) const MARK_SENT: &str =
+    "UPDATE idem_outbox SET sent_at = UTC_TIMESTAMP(6) WHERE id IN (";
+/// The most ids one [`mark_sent`] statement binds (a prepared statement takes at most
+/// 65,535 parameters).
+pub(crate) const MARK_SENT_CHUNK: usize = 1000;
+
+/// Marks `n` messages sent: [`MARK_SENT`] with `n` placeholders (`n` ≥ 1). Params: the
+/// ids.
+pub(crate) fn mark_sent(n: usize) -> String {
+    let mut sql = String::with_capacity(MARK_SENT.len() + 3 * n + 1);
+    sql.push_str(MARK_SENT);
+    for i in 0..n.max(1) {
+        sql.push_str(if i == 0 { "?" } else { ", ?" });
+    }
+    sql.push(')');
+    sql
+}
+
+/// Runs that are expired **and** were started at least `?` µs ago, oldest expiry first.
+/// Params: older than (µs), limit.
+pub(crate) const PURGE_RUNS: &str = concat!(
+    "DELETE FROM idem_run WHERE expires_at <= UTC_TIMESTAMP(6) AND created_at <= ",
+    cutoff!(),
+    " ORDER BY expires_at LIMIT ?"
+);
+/// Messages sent at least `?` µs ago, oldest first; unsent ones are never purged.
+/// Params: older than (µs), limit.
+pub(crate) const PURGE_OUTBOX: &str = concat!(
+    "DELETE FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
+    cutoff!(),
+    " ORDER BY id LIMIT ?"
+);
+
 macro_rules! migration_lock_name {
     () => {
         "CONCAT('idem_migrate:', MD5(COALESCE(DATABASE(), '')))"
@@ -191,6 +294,17 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("release_claimed", RELEASE_CLAIMED),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
+    ("insert_run", INSERT_RUN),
+    ("select_run", SELECT_RUN),
+    ("write_run", WRITE_RUN),
+    ("delete_run", DELETE_RUN),
+    ("stalled_runs", STALLED_RUNS),
+    ("status_probe", STATUS_PROBE),
+    ("enqueue", ENQUEUE),
+    ("lock_unsent", LOCK_UNSENT),
+    ("unsent_ids", UNSENT_IDS),
+    ("purge_runs", PURGE_RUNS),
+    ("purge_outbox", PURGE_OUTBOX),
     ("migration_lock", MIGRATION_LOCK),
     ("migration_unlock", MIGRATION_UNLOCK),
     ("create_migrations", CREATE_MIGRATIONS),
@@ -227,6 +341,43 @@ mod tests {
             }
             assert!(!sql.contains('$'), "{name} uses PostgreSQL placeholders");
         }
+    }
+
+    #[test]
+    fn built_statements_snapshot() {
+        let text = [1, 3]
+            .map(|n| format!("-- mark_sent({n})\n{};\n", super::mark_sent(n)))
+            .join("\n");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn mark_sent_binds_one_placeholder_per_id() {
+        for n in [1, 2, 7, super::MARK_SENT_CHUNK] {
+            let sql = super::mark_sent(n);
+            assert_eq!(sql.matches('?').count(), n, "{sql}");
+            assert!(
+                sql.starts_with(super::MARK_SENT) && sql.ends_with("?)"),
+                "{sql}"
+            );
+        }
+        // Never an empty `IN ()`, which is a syntax error.
+        assert!(super::mark_sent(0).ends_with("(?)"));
+    }
+
+    #[test]
+    fn run_statements_lock_what_they_must() {
+        assert!(super::SELECT_RUN.ends_with(" FOR UPDATE"));
+        assert!(super::LOCK_UNSENT.ends_with(" FOR UPDATE SKIP LOCKED"));
+        for plain in [super::UNSENT_IDS, super::STALLED_RUNS] {
+            assert!(
+                !plain.contains("FOR UPDATE") && !plain.contains("LOCK IN"),
+                "{plain}"
+            );
+        }
+        // A write counts as matched only because it always changes `updated_at`.
+        assert!(super::WRITE_RUN.contains("updated_at + INTERVAL 1 MICROSECOND"));
+        assert!(super::WRITE_RUN.ends_with("AND owner = ? AND status IS NULL"));
     }
 
     #[test]

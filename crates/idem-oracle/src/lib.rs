@@ -49,6 +49,16 @@
 //! when the error comes from an effect ([`Backend::classify`]). ORA-00060 rolls back
 //! only the failed statement; idem rolls back the rest before retrying.
 //!
+//! # Phased runs and the outbox
+//!
+//! [`OracleBackend`] implements [`idem_core::RunStore`] and [`idem_core::OutboxStore`]
+//! (migration 0003: `idem_run`, `idem_outbox`; not verified live). A run's row is read
+//! `FOR UPDATE`; the relay locks the oldest unsent messages `FOR UPDATE SKIP LOCKED`,
+//! fetching (and so locking) at most its limit, and reads a destination's unsent ids
+//! with a plain query. `Idem::start` bounds its lock waits with the connection's call
+//! timeout, like the claim (restored at `COMMIT`/`ROLLBACK`); a call it cuts (DPI-1067,
+//! ORA-03156) is reported as [`ErrorKind::LockTimeout`] there.
+//!
 //! # Storage
 //!
 //! Scope and key columns are `RAW(255)` and bound as bytes, so comparisons are binary
@@ -97,6 +107,7 @@
 
 pub mod error_codes;
 mod options;
+mod runs;
 mod sql;
 
 use std::error::Error as StdError;
@@ -128,6 +139,11 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 2,
         name: "0002_expiry.sql",
         sql: include_str!("../../../migrations/oracle/0002_expiry.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "0003_runs_and_outbox.sql",
+        sql: include_str!("../../../migrations/oracle/0003_runs_and_outbox.sql"),
     },
 ];
 
@@ -289,6 +305,9 @@ fn has_transaction(conn: &Connection) -> bool {
 /// The open transaction handed to effects.
 pub struct OracleTx {
     lease: Lease<Oracle>,
+    /// `begin_runs` bounded the session's calls: the bound, and the connection's own
+    /// call timeout to give back when the transaction ends.
+    bound: Option<(Duration, Option<Duration>)>,
 }
 
 impl fmt::Debug for OracleTx {
@@ -377,13 +396,25 @@ impl ClaimOwned {
             id,
             request: c.request.map(str::to_owned),
             retention: interval_micros(c.retention),
-            wait: Duration::from_millis(
-                u64::try_from(c.wait.as_nanos().div_ceil(1_000_000))
-                    .unwrap_or(u64::MAX)
-                    .clamp(1, u64::from(u32::MAX)),
-            ),
+            wait: call_timeout_for(c.wait),
         })
     }
+}
+
+/// A wait bound as a call timeout: whole milliseconds, rounded up, at least 1 (ODPI-C
+/// takes a `u32` of milliseconds; 0 would mean "no timeout").
+fn call_timeout_for(wait: Duration) -> Duration {
+    Duration::from_millis(
+        u64::try_from(wait.as_nanos().div_ceil(1_000_000))
+            .unwrap_or(u64::MAX)
+            .clamp(1, u64::from(u32::MAX)),
+    )
+}
+
+/// Whether an error is a call cut by the connection's call timeout (DPI-1067, or
+/// ORA-03156 when the server reports it): a wait bound running out.
+fn is_call_timeout(error: &DbError) -> bool {
+    matches!(error.code(), Some("DPI-1067" | "ORA-03156"))
 }
 
 /// JSON text bound to a CLOB column as LONG data (Oracle's data interface for LOBs:
@@ -688,7 +719,10 @@ impl ClaimSteps for OracleBackend {
     }
 
     fn won(&self, open: OracleOpen, _claim: &Claim<'_>) -> OracleTx {
-        OracleTx { lease: open.lease }
+        OracleTx {
+            lease: open.lease,
+            bound: None,
+        }
     }
 
     async fn rollback(&self, open: OracleOpen) -> Result<(), DbError> {
@@ -709,7 +743,7 @@ impl ClaimSteps for OracleBackend {
     }
 
     fn waited_too_long(&self, error: &DbError) -> bool {
-        matches!(error.code(), Some("DPI-1067" | "ORA-03156"))
+        is_call_timeout(error)
     }
 }
 
@@ -836,6 +870,8 @@ impl Maintenance for OracleBackend {
         let statement = match table {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
+            Table::Runs => sql::PURGE_RUNS,
+            Table::Outbox => sql::PURGE_OUTBOX,
         };
         let older = interval_micros(older_than);
         let mut lease = self.lease().await?;
@@ -909,6 +945,66 @@ mod tests {
         }
         assert!(!tables.contains("VARCHAR2"), "no character key columns");
         assert!(tables.contains("DEFAULT SYS_EXTRACT_UTC(SYSTIMESTAMP)"));
+    }
+
+    #[test]
+    fn wait_bounds_become_whole_millisecond_call_timeouts() {
+        assert_eq!(call_timeout_for(Duration::ZERO), Duration::from_millis(1));
+        assert_eq!(
+            call_timeout_for(Duration::from_micros(1500)),
+            Duration::from_millis(2)
+        );
+        assert_eq!(
+            call_timeout_for(Duration::from_millis(50)),
+            Duration::from_millis(50)
+        );
+        assert_eq!(
+            call_timeout_for(Duration::MAX),
+            Duration::from_millis(u64::from(u32::MAX))
+        );
+        let timeout = DbError::new(ENGINE, ErrorKind::Connection, "t").with_code("DPI-1067");
+        assert!(is_call_timeout(&timeout));
+        let cut = DbError::new(ENGINE, ErrorKind::Connection, "t").with_code("ORA-03156");
+        assert!(is_call_timeout(&cut));
+        let other = DbError::new(ENGINE, ErrorKind::Connection, "t").with_code("ORA-03113");
+        assert!(!is_call_timeout(&other));
+    }
+
+    #[test]
+    fn migration_0003_creates_runs_and_the_outbox() {
+        assert_eq!(MIGRATIONS.len(), 3);
+        assert_eq!(MIGRATIONS[2].version, 3);
+        let statements = MIGRATIONS[2].statements();
+        assert_eq!(statements.len(), 6, "{statements:#?}");
+        for s in &statements {
+            assert!(!s.trim_end().ends_with(';'), "{s}");
+            assert!(
+                s.starts_with("CREATE TABLE") || s.starts_with("CREATE INDEX"),
+                "{s}"
+            );
+            for line in s.lines() {
+                // Oracle names before 12.2 are at most 30 bytes.
+                if let Some(name) = line.trim().strip_prefix("CONSTRAINT ") {
+                    let name = name.split_whitespace().next().unwrap_or("");
+                    assert!(name.len() <= 30, "{name}");
+                }
+            }
+        }
+        let tables = statements.join("\n");
+        for column in [
+            "principal",
+            "operation",
+            "request_key",
+            "destination",
+            "message_id",
+        ] {
+            let line = tables
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(column))
+                .unwrap_or_else(|| panic!("no column {column}"));
+            assert!(line.contains("RAW(255) NOT NULL"), "{line}");
+        }
+        assert!(tables.contains("GENERATED ALWAYS AS IDENTITY"));
     }
 
     /// No Oracle Client library on this machine: `connect` fails at once, classified,

@@ -162,6 +162,124 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " AND ROWNUM <= :2"
 );
 
+// Phased runs and the outbox (migration 0003). Run statements run inside the
+// transaction `begin_runs` opened (Oracle's READ COMMITTED: each statement reads the
+// data committed before it began); `STALLED_RUNS` runs on its own.
+
+/// A new run. A conflicting uncommitted row makes it wait for that transaction (bounded
+/// by the call timeout when the transaction has a wait bound); ORA-00001 once it
+/// commits. Binds: principal, operation, key, request, owner, fence, point, lease (µs),
+/// retention (µs).
+pub(crate) const INSERT_RUN: &str = concat!(
+    "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, ",
+    "lease_until, created_at, updated_at, expires_at) ",
+    "VALUES (:1, :2, :3, :4, :5, :6, :7, ",
+    expiry!(8),
+    ", ",
+    now!(),
+    ", ",
+    now!(),
+    ", ",
+    expiry!(9),
+    ")"
+);
+/// Reads a run and locks its row until the transaction ends (`FOR UPDATE` reads the
+/// current committed version, waiting for a transaction that holds the row).
+pub(crate) const SELECT_RUN: &str = concat!(
+    "SELECT request, owner, fence, point, state, status, response, CASE WHEN lease_until <= ",
+    now!(),
+    " THEN 1 ELSE 0 END AS lease_over, CASE WHEN expires_at <= ",
+    now!(),
+    " THEN 1 ELSE 0 END AS expired FROM idem_run WHERE ",
+    request_pk!(1, 2, 3),
+    " FOR UPDATE"
+);
+/// The guarded write: changes the row only while its owner is the expected one and it
+/// has no final answer; the row count is the rows matched. Binds: owner, fence, point,
+/// state, status, response, lease (µs), principal, operation, key, expected owner.
+pub(crate) const WRITE_RUN: &str = concat!(
+    "UPDATE idem_run SET owner = :1, fence = :2, point = :3, state = :4, status = :5, ",
+    "response = :6, lease_until = ",
+    expiry!(7),
+    ", updated_at = ",
+    now!(),
+    " WHERE ",
+    request_pk!(8, 9, 10),
+    " AND owner = :11 AND status IS NULL"
+);
+/// Deletes a run while its owner is the expected one (an expired run being replaced).
+/// Binds: principal, operation, key, expected owner.
+pub(crate) const DELETE_RUN: &str = concat!(
+    "DELETE FROM idem_run WHERE ",
+    request_pk!(1, 2, 3),
+    " AND owner = :4"
+);
+/// Unexpired runs without a final answer whose lease ended, the longest-stalled first
+/// (a plain query: no transaction). Binds: limit.
+pub(crate) const STALLED_RUNS: &str = concat!(
+    "SELECT principal, operation, request_key, point FROM idem_run WHERE status IS NULL ",
+    "AND lease_until <= ",
+    now!(),
+    " AND expires_at > ",
+    now!(),
+    " ORDER BY lease_until FETCH FIRST :1 ROWS ONLY"
+);
+
+/// Stores a message in the caller's transaction (`id` and `created_at` are generated).
+/// Binds: destination, message ID, payload.
+pub(crate) const ENQUEUE: &str =
+    "INSERT INTO idem_outbox (destination, message_id, payload) VALUES (:1, :2, :3)";
+/// The oldest unsent messages, skipping rows other transactions hold. `FETCH FIRST`
+/// cannot be combined with `FOR UPDATE` (ORA-02014): with `SKIP LOCKED` a row is locked
+/// when it is fetched, so the backend fetches (and prefetches) at most the limit.
+pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
+     WHERE sent_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED";
+/// Every unsent message of a destination up to an id, rows other relays hold included
+/// (a plain query reads committed data and never waits for locks). Binds: destination,
+/// up to (id).
+pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = :1 AND sent_at IS NULL AND id <= :2 ORDER BY id";
+/// The start of [`mark_sent`]'s statement.
+pub(crate) const MARK_SENT: &str = concat!(
+    "UPDATE idem_outbox SET sent_at = ",
+    now!(),
+    " WHERE id IN ("
+);
+/// The most ids one [`mark_sent`] statement binds (an `IN` list holds at most 1,000
+/// expressions: ORA-01795).
+pub(crate) const MARK_SENT_CHUNK: usize = 1000;
+
+/// Marks `n` messages sent: [`MARK_SENT`] with `:1 … :n` (`n` ≥ 1). Binds: the ids.
+pub(crate) fn mark_sent(n: usize) -> String {
+    let mut sql = String::from(MARK_SENT);
+    for i in 1..=n.max(1) {
+        if i > 1 {
+            sql.push_str(", ");
+        }
+        sql.push(':');
+        sql.push_str(&i.to_string());
+    }
+    sql.push(')');
+    sql
+}
+
+/// One bounded purge batch of runs that are expired **and** were started at least `:1`
+/// µs ago (like [`PURGE_REQUESTS`]).
+pub(crate) const PURGE_RUNS: &str = concat!(
+    "DELETE FROM idem_run WHERE expires_at <= ",
+    now!(),
+    " AND created_at <= ",
+    cutoff!(1),
+    " AND ROWNUM <= :2"
+);
+/// One bounded purge batch of messages sent at least `:1` µs ago; unsent ones are never
+/// purged.
+pub(crate) const PURGE_OUTBOX: &str = concat!(
+    "DELETE FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
+    cutoff!(1),
+    " AND ROWNUM <= :2"
+);
+
 /// Oracle has no `CREATE TABLE IF NOT EXISTS` before 23ai: ORA-00955 is tolerated.
 pub(crate) const CREATE_MIGRATIONS: &str = concat!(
     "CREATE TABLE idem_schema_migrations (",
@@ -195,6 +313,16 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("lookup_message", LOOKUP_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
+    ("insert_run", INSERT_RUN),
+    ("select_run", SELECT_RUN),
+    ("write_run", WRITE_RUN),
+    ("delete_run", DELETE_RUN),
+    ("stalled_runs", STALLED_RUNS),
+    ("enqueue", ENQUEUE),
+    ("lock_unsent", LOCK_UNSENT),
+    ("unsent_ids", UNSENT_IDS),
+    ("purge_runs", PURGE_RUNS),
+    ("purge_outbox", PURGE_OUTBOX),
     ("create_migrations", CREATE_MIGRATIONS),
     ("select_migrations", SELECT_MIGRATIONS),
     ("insert_migration", INSERT_MIGRATION),
@@ -240,6 +368,35 @@ mod tests {
             .map(|(name, sql)| format!("-- {name}\n{sql}\n\n"))
             .collect();
         insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn built_statements_snapshot() {
+        let text = [1, 3]
+            .map(|n| format!("-- mark_sent({n})\n{}\n", super::mark_sent(n)))
+            .join("\n");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn mark_sent_binds_one_placeholder_per_id_in_order() {
+        for n in [1, 2, 10, super::MARK_SENT_CHUNK] {
+            let sql = super::mark_sent(n);
+            let want: Vec<u32> = (1..=u32::try_from(n).unwrap_or(0)).collect();
+            assert_eq!(placeholders(&sql), want, "{sql}");
+        }
+        // Never an empty `IN ()`, which is a syntax error.
+        assert!(super::mark_sent(0).ends_with("(:1)"));
+    }
+
+    #[test]
+    fn run_statements_lock_what_they_must() {
+        assert!(super::SELECT_RUN.ends_with(" FOR UPDATE"));
+        assert!(super::LOCK_UNSENT.ends_with(" FOR UPDATE SKIP LOCKED"));
+        assert!(!super::LOCK_UNSENT.contains("FETCH FIRST"), "ORA-02014");
+        for plain in [super::UNSENT_IDS, super::STALLED_RUNS] {
+            assert!(!plain.contains("FOR UPDATE"), "{plain}");
+        }
     }
 
     #[test]

@@ -41,8 +41,19 @@
 //!
 //! Effects receive a [`PgTx`] (`sqlx::Transaction`) and run their SQL on it:
 //! `sqlx::query("UPDATE …").execute(&mut **tx)`.
+//!
+//! # Phased runs and the outbox
+//!
+//! [`PgBackend`] implements [`idem_core::RunStore`] and [`idem_core::OutboxStore`] on
+//! migration 0003's `idem_run` and `idem_outbox`. Run transactions are READ COMMITTED
+//! transactions from the pool; a run's row is read `FOR UPDATE`, and a start's wait
+//! for it is bounded by a transaction-local `lock_timeout` (SQLSTATE 55P03 is
+//! [`ErrorKind::LockTimeout`]). The relay locks the oldest unsent messages with
+//! `FOR UPDATE SKIP LOCKED` and marks them sent with `id = ANY($1)`. Phases get the
+//! same [`PgTx`] as effects.
 
 pub mod error_codes;
+mod runs;
 mod sql;
 
 use std::error::Error as StdError;
@@ -75,6 +86,11 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 2,
         name: "0002_exact_json_and_expiry.sql",
         sql: include_str!("../../../migrations/postgres/0002_exact_json_and_expiry.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "0003_runs_and_outbox.sql",
+        sql: include_str!("../../../migrations/postgres/0003_runs_and_outbox.sql"),
     },
 ];
 
@@ -531,8 +547,12 @@ impl Maintenance for PgBackend {
         let statement = match (table, self.purge) {
             (Table::Requests, PurgeStyle::SkipLocked) => sql::PURGE_REQUESTS,
             (Table::Messages, PurgeStyle::SkipLocked) => sql::PURGE_MESSAGES,
+            (Table::Runs, PurgeStyle::SkipLocked) => sql::PURGE_RUNS,
+            (Table::Outbox, PurgeStyle::SkipLocked) => sql::PURGE_OUTBOX,
             (Table::Requests, PurgeStyle::Distributed) => sql::PURGE_REQUESTS_DISTRIBUTED,
             (Table::Messages, PurgeStyle::Distributed) => sql::PURGE_MESSAGES_DISTRIBUTED,
+            (Table::Runs, PurgeStyle::Distributed) => sql::PURGE_RUNS_DISTRIBUTED,
+            (Table::Outbox, PurgeStyle::Distributed) => sql::PURGE_OUTBOX_DISTRIBUTED,
         };
         sqlx::query(statement)
             .bind(secs(older_than))

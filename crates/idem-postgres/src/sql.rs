@@ -134,6 +134,104 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
 
+/// A new phased run, committed at its start: `created_at`, `updated_at`, `lease_until`
+/// and `expires_at` come from one reading of the database clock. A conflicting insert
+/// waits for the other transaction, then does nothing. Params: principal, operation,
+/// key, request, owner, fence, point, lease (s), retention (s).
+pub(crate) const INSERT_RUN: &str = concat!(
+    "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, ",
+    "lease_until, created_at, updated_at, expires_at) ",
+    "SELECT $1, $2, $3, $4, $5, $6, $7, now.t + make_interval(secs => $8), now.t, now.t, ",
+    "now.t + make_interval(secs => $9) FROM ",
+    now!(),
+    " ON CONFLICT (principal, operation, request_key) DO NOTHING"
+);
+/// A run, with its lease and retention read against the database clock, locked until
+/// the transaction ends. Params: principal, operation, key.
+pub(crate) const SELECT_RUN: &str = concat!(
+    "SELECT request, owner, fence, point, state, status, response, ",
+    "lease_until <= clock_timestamp() AS lease_over, expires_at <= clock_timestamp() AS expired ",
+    "FROM idem_run WHERE ",
+    request_pk!(),
+    " FOR UPDATE"
+);
+/// The guarded write: only while the owner is still the expected one and the run has no
+/// final answer. Params: principal, operation, key, expected owner, owner, fence, point,
+/// state, status, response, lease (s).
+pub(crate) const WRITE_RUN: &str = concat!(
+    "UPDATE idem_run SET owner = $5, fence = $6, point = $7, state = $8, status = $9, ",
+    "response = $10, lease_until = now.t + make_interval(secs => $11), updated_at = now.t FROM ",
+    now!(),
+    " WHERE ",
+    request_pk!(),
+    " AND owner = $4 AND status IS NULL"
+);
+/// Deletes a run while its owner is the expected one. Params: principal, operation,
+/// key, expected owner.
+pub(crate) const DELETE_RUN: &str = concat!(
+    "DELETE FROM idem_run WHERE ",
+    request_pk!(),
+    " AND owner = $4"
+);
+/// Unexpired runs without a final answer whose lease ended, the longest-stalled first.
+/// Params: limit.
+pub(crate) const STALLED_RUNS: &str = concat!(
+    "SELECT principal, operation, request_key, point FROM idem_run ",
+    "WHERE status IS NULL AND lease_until <= clock_timestamp() AND expires_at > clock_timestamp() ",
+    "ORDER BY lease_until LIMIT $1"
+);
+
+/// Params: destination, message ID, payload.
+pub(crate) const ENQUEUE: &str =
+    "INSERT INTO idem_outbox (destination, message_id, payload) VALUES ($1, $2, $3)";
+/// The oldest unsent messages, locked; rows another relay holds are skipped. Params:
+/// limit.
+pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
+     WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
+/// Every unsent message of a destination up to an id, including rows other relays hold
+/// (a plain read). Params: destination, up to.
+pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = $1 AND sent_at IS NULL AND id <= $2 ORDER BY id";
+/// Params: the ids (`bigint[]`).
+pub(crate) const MARK_SENT: &str =
+    "UPDATE idem_outbox SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL";
+
+/// Runs that are expired **and** were started at least `$1` seconds ago, oldest expiry
+/// first; rows locked by a live transaction are skipped. Params: older than (s), limit.
+pub(crate) const PURGE_RUNS: &str = concat!(
+    "DELETE FROM idem_run WHERE (principal, operation, request_key) IN (",
+    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= clock_timestamp() AND created_at <= ",
+    cutoff!(1),
+    " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
+);
+/// [`PURGE_RUNS`] without row locks (see [`PURGE_REQUESTS_DISTRIBUTED`]).
+pub(crate) const PURGE_RUNS_DISTRIBUTED: &str = concat!(
+    "DELETE FROM idem_run WHERE (principal, operation, request_key) IN (",
+    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= clock_timestamp() AND created_at <= ",
+    cutoff!(1),
+    " ORDER BY expires_at LIMIT $2)"
+);
+/// Outbox messages sent at least `$1` seconds ago, oldest first; unsent messages are
+/// never purged. Params: older than (s), limit.
+pub(crate) const PURGE_OUTBOX: &str = concat!(
+    "DELETE FROM idem_outbox WHERE id IN (",
+    "SELECT id FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
+    cutoff!(1),
+    " ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+);
+/// [`PURGE_OUTBOX`] without row locks (see [`PURGE_REQUESTS_DISTRIBUTED`]).
+pub(crate) const PURGE_OUTBOX_DISTRIBUTED: &str = concat!(
+    "DELETE FROM idem_outbox WHERE id IN (",
+    "SELECT id FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
+    cutoff!(1),
+    " ORDER BY id LIMIT $2)"
+);
+
+/// Bounds every lock wait of a run transaction (`begin_runs` with a wait), for this
+/// transaction only (`is_local`): the session's own value is back once it ends. Params:
+/// the bound, as text (`"500ms"`).
+pub(crate) const BOUND_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', $1, true)";
+
 /// Bounds the claim's lock waits for this transaction only (`is_local`), and returns
 /// the value the effect must get back (the session's, whatever set it: configuration,
 /// role, startup options or a `SET` on the pooled connection). The `MATERIALIZED` CTE
@@ -171,6 +269,20 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("purge_messages", PURGE_MESSAGES),
     ("purge_requests_distributed", PURGE_REQUESTS_DISTRIBUTED),
     ("purge_messages_distributed", PURGE_MESSAGES_DISTRIBUTED),
+    ("insert_run", INSERT_RUN),
+    ("select_run", SELECT_RUN),
+    ("write_run", WRITE_RUN),
+    ("delete_run", DELETE_RUN),
+    ("stalled_runs", STALLED_RUNS),
+    ("enqueue", ENQUEUE),
+    ("lock_unsent", LOCK_UNSENT),
+    ("unsent_ids", UNSENT_IDS),
+    ("mark_sent", MARK_SENT),
+    ("purge_runs", PURGE_RUNS),
+    ("purge_runs_distributed", PURGE_RUNS_DISTRIBUTED),
+    ("purge_outbox", PURGE_OUTBOX),
+    ("purge_outbox_distributed", PURGE_OUTBOX_DISTRIBUTED),
+    ("bound_lock_timeout", BOUND_LOCK_TIMEOUT),
     ("set_lock_timeout", SET_LOCK_TIMEOUT),
     ("restore_lock_timeout", RESTORE_LOCK_TIMEOUT),
     ("migration_lock", MIGRATION_LOCK),
@@ -186,6 +298,8 @@ mod tests {
         for sql in [
             super::PURGE_REQUESTS_DISTRIBUTED,
             super::PURGE_MESSAGES_DISTRIBUTED,
+            super::PURGE_RUNS_DISTRIBUTED,
+            super::PURGE_OUTBOX_DISTRIBUTED,
         ] {
             assert!(!sql.contains("FOR UPDATE"), "{sql}");
             assert!(sql.contains("LIMIT $2"), "still bounded: {sql}");

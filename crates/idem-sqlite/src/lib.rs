@@ -34,6 +34,13 @@
 //!   from the effect's own task is refused at once with a
 //!   [`ErrorKind::Configuration`] error, and from any other task it waits at most the
 //!   busy timeout, then fails with `Busy` (never a deadlock).
+//! - **Phased runs and the outbox** ([`idem_core::RunStore`], [`idem_core::OutboxStore`]
+//!   on migration 0003's `idem_run` and `idem_outbox`): a run transaction is
+//!   `BEGIN IMMEDIATE` too, so the run's row and the outbox need no row locks (one
+//!   writer at a time: a second relay waits for the first rather than skipping its
+//!   rows). A start's wait for the write lock is bounded by its wait bound; when it
+//!   elapses the error is the retryable `Busy`, and idem decides "in progress" from the
+//!   run's lease. Phases get a [`SqliteTx`] like effects do.
 //! - rusqlite is blocking: every call runs on tokio's blocking pool
 //!   ([`tokio::task::spawn_blocking`]), never on the async worker threads. Effects get
 //!   a [`SqliteTx`] and run their SQL with [`SqliteTx::run`].
@@ -61,6 +68,7 @@
 //! ```
 
 pub mod error_codes;
+mod runs;
 mod sql;
 
 use std::collections::HashSet;
@@ -92,6 +100,11 @@ pub const MIGRATIONS: &[Migration] = &[
         version: 2,
         name: "0002_expiry.sql",
         sql: include_str!("../../../migrations/sqlite/0002_expiry.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "0003_runs_and_outbox.sql",
+        sql: include_str!("../../../migrations/sqlite/0003_runs_and_outbox.sql"),
     },
 ];
 
@@ -251,16 +264,18 @@ type InFlight = Arc<Mutex<HashSet<IdOwned>>>;
 type Holder = Arc<Mutex<Option<tokio::task::Id>>>;
 
 /// Removes a won identity from the in-flight set (and clears the holder) when its
-/// transaction ends.
+/// transaction ends. A run transaction claims no identity (`id` is `None`).
 struct InFlightGuard {
     in_flight: InFlight,
-    id: IdOwned,
+    id: Option<IdOwned>,
     holder: Holder,
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        lock(&self.in_flight).remove(&self.id);
+        if let Some(id) = &self.id {
+            lock(&self.in_flight).remove(id);
+        }
         *self
             .holder
             .lock()
@@ -412,6 +427,27 @@ impl SqliteBackend {
         }
     }
 
+    /// The transaction handed out on `lease` (inside `BEGIN IMMEDIATE`): a won claim's
+    /// (with its identity, already in the in-flight set) or a run transaction's. An
+    /// in-memory database notes the task that holds its only connection.
+    fn open_tx(&self, lease: Lease<Sqlite>, claimed_at: i64, id: Option<IdOwned>) -> SqliteTx {
+        if self.pool.manager().location == Location::Memory {
+            *self
+                .holder
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
+        }
+        SqliteTx {
+            lease,
+            claimed_at,
+            _claimed: InFlightGuard {
+                in_flight: Arc::clone(&self.in_flight),
+                id,
+                holder: Arc::clone(&self.holder),
+            },
+        }
+    }
+
     fn is_in_flight(&self, id: &IdOwned) -> bool {
         lock(&self.in_flight).contains(id)
     }
@@ -461,10 +497,12 @@ fn open_connection(
     Ok(conn)
 }
 
-/// The open `BEGIN IMMEDIATE` transaction handed to effects.
+/// The open `BEGIN IMMEDIATE` transaction handed to effects (and to a phased run's
+/// phases, and the outbox relay, through [`idem_core::RunStore::begin_runs`]).
 pub struct SqliteTx {
     lease: Lease<Sqlite>,
-    /// The database clock at the claim (µs): the record's `created_at`.
+    /// The database clock at the claim (µs): the record's `created_at` (0 in a run
+    /// transaction, which completes no record).
     claimed_at: i64,
     _claimed: InFlightGuard,
 }
@@ -705,21 +743,7 @@ impl ClaimSteps for SqliteBackend {
     fn won(&self, open: SqliteOpen, _claim: &Claim<'_>) -> SqliteTx {
         let id = open.claim.id.clone();
         lock(&self.in_flight).insert(id.clone());
-        if self.pool.manager().location == Location::Memory {
-            *self
-                .holder
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner) = tokio::task::try_id();
-        }
-        SqliteTx {
-            lease: open.lease,
-            claimed_at: open.claimed_at,
-            _claimed: InFlightGuard {
-                in_flight: Arc::clone(&self.in_flight),
-                id,
-                holder: Arc::clone(&self.holder),
-            },
-        }
+        self.open_tx(open.lease, open.claimed_at, Some(id))
     }
 
     async fn rollback(&self, mut open: SqliteOpen) -> Result<(), DbError> {
@@ -867,6 +891,8 @@ impl Maintenance for SqliteBackend {
         let statement = match table {
             Table::Requests => sql::PURGE_REQUESTS,
             Table::Messages => sql::PURGE_MESSAGES,
+            Table::Runs => sql::PURGE_RUNS,
+            Table::Outbox => sql::PURGE_OUTBOX,
         };
         let older = micros(older_than);
         self.interact(move |c| {

@@ -73,6 +73,91 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " - ?1 ORDER BY expires_at LIMIT ?2)"
 );
 
+/// A new phased run, committed at its start: `created_at`, `updated_at`, `lease_until`
+/// and `expires_at` come from one reading of the database clock (one statement); an
+/// existing run of the identity inserts nothing. `WHERE true` keeps `ON CONFLICT` from
+/// being parsed as a join's `ON`. Params: principal, operation, key, request, owner,
+/// fence, point, lease (µs), retention (µs).
+pub(crate) const INSERT_RUN: &str = concat!(
+    "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, ",
+    "lease_until, created_at, updated_at, expires_at) ",
+    "SELECT ?1, ?2, ?3, ?4, ?5, ?6, ?7, now.t + ?8, now.t, now.t, now.t + ?9 FROM (SELECT ",
+    now_us!(),
+    " AS t) AS now WHERE true ON CONFLICT (principal, operation, request_key) DO NOTHING"
+);
+/// A run, with its lease and retention read against the database clock. No locking
+/// clause: the run transaction's `BEGIN IMMEDIATE` already excludes every other writer.
+/// Params: principal, operation, key.
+pub(crate) const SELECT_RUN: &str = concat!(
+    "SELECT request, owner, fence, point, state, status, response, lease_until <= ",
+    now_us!(),
+    ", expires_at <= ",
+    now_us!(),
+    " FROM idem_run WHERE principal = ?1 AND operation = ?2 AND request_key = ?3"
+);
+/// The guarded write: only while the owner is still the expected one and the run has no
+/// final answer. Params: principal, operation, key, expected owner, owner, fence,
+/// point, state, status, response, lease (µs).
+pub(crate) const WRITE_RUN: &str = concat!(
+    "UPDATE idem_run SET owner = ?5, fence = ?6, point = ?7, state = ?8, status = ?9, ",
+    "response = ?10, lease_until = ",
+    now_us!(),
+    " + ?11, updated_at = ",
+    now_us!(),
+    " WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND owner = ?4 AND status IS NULL"
+);
+/// Params: principal, operation, key, expected owner.
+pub(crate) const DELETE_RUN: &str = "DELETE FROM idem_run \
+    WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND owner = ?4";
+/// Unexpired runs without a final answer whose lease ended, the longest-stalled first.
+/// Params: limit.
+pub(crate) const STALLED_RUNS: &str = concat!(
+    "SELECT principal, operation, request_key, point FROM idem_run WHERE status IS NULL AND lease_until <= ",
+    now_us!(),
+    " AND expires_at > ",
+    now_us!(),
+    " ORDER BY lease_until LIMIT ?1"
+);
+
+/// Params: destination, message ID, payload.
+pub(crate) const ENQUEUE: &str = concat!(
+    "INSERT INTO idem_outbox (destination, message_id, payload, created_at) VALUES (?1, ?2, ?3, ",
+    now_us!(),
+    ")"
+);
+/// The oldest unsent messages. No locking clause: `BEGIN IMMEDIATE` makes the relay the
+/// only writer. Params: limit.
+pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
+    WHERE sent_at IS NULL ORDER BY id LIMIT ?1";
+/// Every unsent message of a destination up to an id. Params: destination, up to.
+pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
+    WHERE destination = ?1 AND sent_at IS NULL AND id <= ?2 ORDER BY id";
+/// One statement for every id. Params: the ids as a JSON array (`[3,4,7]`).
+pub(crate) const MARK_SENT: &str = concat!(
+    "UPDATE idem_outbox SET sent_at = ",
+    now_us!(),
+    " WHERE sent_at IS NULL AND id IN (SELECT value FROM json_each(?1))"
+);
+
+/// Runs that are expired **and** were started at least `?1` µs ago. Params: older than
+/// (µs), limit.
+pub(crate) const PURGE_RUNS: &str = concat!(
+    "DELETE FROM idem_run WHERE (principal, operation, request_key) IN (",
+    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= ",
+    now_us!(),
+    " AND created_at <= ",
+    now_us!(),
+    " - ?1 ORDER BY expires_at LIMIT ?2)"
+);
+/// Outbox messages sent at least `?1` µs ago; unsent messages are never purged. Params:
+/// older than (µs), limit.
+pub(crate) const PURGE_OUTBOX: &str = concat!(
+    "DELETE FROM idem_outbox WHERE id IN (",
+    "SELECT id FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
+    now_us!(),
+    " - ?1 ORDER BY id LIMIT ?2)"
+);
+
 pub(crate) const CREATE_MIGRATIONS: &str = "CREATE TABLE IF NOT EXISTS idem_schema_migrations (\
     version INTEGER PRIMARY KEY, name TEXT NOT NULL, applied_at INTEGER NOT NULL) STRICT";
 pub(crate) const SELECT_MIGRATIONS: &str = "SELECT version FROM idem_schema_migrations";
@@ -95,6 +180,17 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("upsert_message", UPSERT_MESSAGE),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
+    ("insert_run", INSERT_RUN),
+    ("select_run", SELECT_RUN),
+    ("write_run", WRITE_RUN),
+    ("delete_run", DELETE_RUN),
+    ("stalled_runs", STALLED_RUNS),
+    ("enqueue", ENQUEUE),
+    ("lock_unsent", LOCK_UNSENT),
+    ("unsent_ids", UNSENT_IDS),
+    ("mark_sent", MARK_SENT),
+    ("purge_runs", PURGE_RUNS),
+    ("purge_outbox", PURGE_OUTBOX),
     ("create_migrations", CREATE_MIGRATIONS),
     ("select_migrations", SELECT_MIGRATIONS),
     ("insert_migration", INSERT_MIGRATION),

@@ -2,8 +2,10 @@
 
 pub use idem_core as core;
 pub use idem_core::{
-    Backend, BoxFuture, Consumed, DbError, Error, ErrorKind, Idem, InvalidInput, Key, Maintenance,
-    MessageId, Operation, Outcome, Principal, PurgeReport, Request, RetryPolicy, Scope, Subscriber,
+    Backend, BoxFuture, CompleteReport, Consumed, DbError, Error, ErrorKind, Finished, Idem,
+    InvalidInput, Key, Maintenance, MessageId, Operation, OutboxStore, Outcome, Outgoing,
+    Principal, Publisher, PurgeReport, RelayReport, Request, RetryPolicy, Run, RunStore, Scope,
+    Started, Subscriber,
 };
 
 /// HTTP `Idempotency-Key` for axum (feature `axum`): see `docs/http.md`.

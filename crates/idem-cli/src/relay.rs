@@ -1,0 +1,351 @@
+//! `idem relay`: publishes the transactional outbox (the messages effects enqueued, such
+//! as the orders' `order.paid`) to RabbitMQ or NATS JetStream with `Idem::relay`.
+
+use std::time::Duration;
+
+use clap::Args;
+use idem::consumer::{CancellationToken, PublishError};
+use idem::core::RelayError;
+use idem::core::runs::OutboxRow;
+use idem::{Idem, Publisher};
+use idem_conformance::Bank;
+
+use crate::commands::connected;
+use crate::fail::{self, Fail};
+
+/// What `idem relay --help` shows after the options.
+pub(crate) const RELAY_HELP: &str = "\
+WHAT IS PUBLISHED:
+  Every message committed to the outbox (idem_outbox), the oldest first, in order per
+  destination, each marked sent in the relay's transaction once the broker confirmed it.
+  RabbitMQ: the default exchange (or --exchange), routing key = the destination, the
+            message ID in the `message_id` property, persistent, publisher confirms; the
+            first time a destination is seen, the queue of that name is declared durable
+            when missing (not with --exchange).
+  NATS:     JetStream, subject = the destination, the message ID in the `Nats-Msg-Id`
+            header, the stream's PubAck awaited; a subject no stream captures is added to
+            --stream (created when missing).
+  Delivery is at least once: a relay stopped between the broker's confirmation and its
+  commit publishes the message again, with the same message ID. Several relays may run at
+  once: each locks the rows it publishes and skips the others' (order is kept).
+  --once: passes until one publishes nothing, then prints `published N` and exits 0.
+  Otherwise: runs until SIGINT or SIGTERM (the pass in hand finishes), retrying failures
+  after a growing pause, and prints `published N` when it stops.
+  A broker that cannot be reached at start exits 7 (as a database does); a failure
+  during an --once run exits 1 (what was confirmed before it is marked sent).";
+
+/// Where `idem relay` publishes.
+#[derive(Debug, Args)]
+pub(crate) struct RelayArgs {
+    /// RabbitMQ URL (amqp://user:pass@host:5672/vhost).
+    #[arg(
+        long,
+        value_name = "URL",
+        required_unless_present = "nats",
+        conflicts_with = "nats"
+    )]
+    amqp: Option<String>,
+    /// RabbitMQ: publish to this existing exchange (routed by its bindings, the
+    /// destination as routing key) instead of the default exchange; no queue is declared.
+    #[arg(long, value_name = "NAME", requires = "amqp")]
+    exchange: Option<String>,
+    /// NATS URL (nats://host:4222).
+    #[arg(long, value_name = "URL")]
+    nats: Option<String>,
+    /// NATS: the stream that captures destinations no stream captures yet (created when
+    /// missing).
+    #[arg(long, value_name = "NAME", default_value = "IDEM_OUTBOX")]
+    stream: String,
+    /// Messages per pass (one transaction each).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    batch: u32,
+    /// Stop after the first pass that published nothing.
+    #[arg(long)]
+    once: bool,
+    /// Pause after a pass that published nothing before the next one.
+    #[arg(long, value_name = "MS", default_value_t = 200,
+        value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
+    interval_ms: u64,
+}
+
+/// Where to publish, to (re)connect.
+#[derive(Debug, Clone)]
+enum Target {
+    #[cfg(feature = "amqp")]
+    Amqp {
+        url: String,
+        exchange: Option<String>,
+    },
+    #[cfg(feature = "nats")]
+    Nats { url: String, stream: String },
+}
+
+/// The broker's publisher.
+#[derive(Debug)]
+enum AnyPublisher {
+    #[cfg(feature = "amqp")]
+    Amqp(idem::consumer::amqp::AmqpPublisher),
+    #[cfg(feature = "nats")]
+    Nats(idem::consumer::nats::NatsPublisher),
+}
+
+impl Publisher for AnyPublisher {
+    type Error = PublishError;
+
+    async fn publish(&self, message: &OutboxRow) -> Result<(), PublishError> {
+        match self {
+            #[cfg(feature = "amqp")]
+            Self::Amqp(p) => p.publish(message).await,
+            #[cfg(feature = "nats")]
+            Self::Nats(p) => p.publish(message).await,
+        }
+    }
+}
+
+impl AnyPublisher {
+    async fn close(self) {
+        let _ = match self {
+            #[cfg(feature = "amqp")]
+            Self::Amqp(p) => p.close().await,
+            #[cfg(feature = "nats")]
+            Self::Nats(p) => p.close().await,
+        };
+    }
+}
+
+impl Target {
+    fn from_args(args: &RelayArgs) -> Result<Self, Fail> {
+        let unbuilt = |feature: &str| {
+            Fail::new(
+                fail::INVALID_INPUT,
+                format!("this idem was built without the `{feature}` feature"),
+            )
+        };
+        if let Some(url) = &args.amqp {
+            #[cfg(feature = "amqp")]
+            return Ok(Self::Amqp {
+                url: url.clone(),
+                exchange: args.exchange.clone(),
+            });
+            #[cfg(not(feature = "amqp"))]
+            {
+                let _ = url;
+                return Err(unbuilt("amqp"));
+            }
+        }
+        if let Some(url) = &args.nats {
+            #[cfg(feature = "nats")]
+            return Ok(Self::Nats {
+                url: url.clone(),
+                stream: args.stream.clone(),
+            });
+            #[cfg(not(feature = "nats"))]
+            {
+                let _ = url;
+                return Err(unbuilt("nats"));
+            }
+        }
+        let _ = unbuilt;
+        Err(Fail::new(
+            fail::INVALID_INPUT,
+            "give --amqp URL or --nats URL",
+        ))
+    }
+
+    /// Connects, giving up with exit code 8 after the usual connection timeout.
+    async fn connect(&self) -> Result<AnyPublisher, Fail> {
+        let connecting = async {
+            match self {
+                #[cfg(feature = "amqp")]
+                Self::Amqp { url, exchange } => {
+                    let p = idem::consumer::amqp::AmqpPublisher::connect(url).await?;
+                    let p = match exchange {
+                        Some(x) => p.to_exchange(x).await?,
+                        None => p,
+                    };
+                    Ok(AnyPublisher::Amqp(p))
+                }
+                #[cfg(feature = "nats")]
+                Self::Nats { url, stream } => Ok(AnyPublisher::Nats(
+                    idem::consumer::nats::NatsPublisher::connect(url, stream).await?,
+                )),
+            }
+        };
+        match tokio::time::timeout(fail::CONNECT_TIMEOUT, connecting).await {
+            Ok(connected) => connected.map_err(publish_fail),
+            Err(_) => Err(Fail::new(
+                fail::TIMED_OUT,
+                format!(
+                    "no answer from the broker within {} s",
+                    fail::CONNECT_TIMEOUT.as_secs()
+                ),
+            )),
+        }
+    }
+}
+
+fn publish_fail(e: PublishError) -> Fail {
+    let code = match &e {
+        PublishError::Config(_) => fail::INVALID_INPUT,
+        PublishError::Connect { .. } => fail::CANNOT_CONNECT,
+        _ => fail::OTHER,
+    };
+    Fail::new(code, e.to_string())
+}
+
+fn relay_fail(e: RelayError) -> Fail {
+    match e {
+        RelayError::Db(db) => Fail::from(db),
+        other => Fail::new(fail::OTHER, other.to_string()),
+    }
+}
+
+/// Cancels `token` on SIGTERM or Ctrl-C.
+fn cancel_on_signals(token: CancellationToken) -> Result<(), Fail> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())
+        .map_err(|e| Fail::new(fail::OTHER, format!("cannot handle SIGTERM: {e}")))?;
+    let mut int = signal(SignalKind::interrupt())
+        .map_err(|e| Fail::new(fail::OTHER, format!("cannot handle SIGINT: {e}")))?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+        eprintln!("stopping: finishing the pass in hand");
+        token.cancel();
+    });
+    Ok(())
+}
+
+/// The pause after the `failures`-th failure in a row: 0.5 s doubling up to 10 s.
+fn backoff(failures: u32) -> Duration {
+    let ms = 500u64.saturating_mul(1 << failures.saturating_sub(1).min(5));
+    Duration::from_millis(ms.min(10_000))
+}
+
+pub(crate) async fn relay<K: Bank>(url: &str, args: RelayArgs) -> Result<(), Fail> {
+    let target = Target::from_args(&args)?;
+    let shutdown = CancellationToken::new();
+    cancel_on_signals(shutdown.clone())?;
+    let bank = connected::<K>(url).await?;
+    let publisher = match target.connect().await {
+        Ok(p) => p,
+        Err(e) => {
+            let _ = bank.close().await;
+            return Err(e);
+        }
+    };
+    let idem = Idem::new(bank.backend().clone());
+    let (published, result) = run_passes(&idem, &target, publisher, &args, &shutdown).await;
+    let closed = bank.close().await;
+    if result.is_err() {
+        eprintln!("relay: published {published} before the failure");
+    }
+    result?;
+    closed.map_err(Fail::from)?;
+    println!("published {published}");
+    Ok(())
+}
+
+/// Runs relay passes; returns the messages published and how it ended.
+async fn run_passes<B: idem::OutboxStore>(
+    idem: &Idem<B>,
+    target: &Target,
+    publisher: AnyPublisher,
+    args: &RelayArgs,
+    shutdown: &CancellationToken,
+) -> (u64, Result<(), Fail>) {
+    let mut publisher = Some(publisher);
+    let mut published = 0u64;
+    let mut failures = 0u32;
+    let interval = Duration::from_millis(args.interval_ms);
+    let result = loop {
+        if shutdown.is_cancelled() {
+            break Ok(());
+        }
+        let Some(p) = publisher.as_ref() else {
+            // Reconnecting after a broker failure (not with --once).
+            match target.connect().await {
+                Ok(p) => {
+                    eprintln!("relay: reconnected to the broker");
+                    publisher = Some(p);
+                }
+                Err(e) => {
+                    failures += 1;
+                    let pause = backoff(failures);
+                    eprintln!("relay: {}; retrying in {pause:?}", e.message);
+                    pause_or_stop(pause, shutdown).await;
+                }
+            }
+            continue;
+        };
+        match idem.relay(p, args.batch).await {
+            Ok(report) if report.failed.is_empty() => {
+                failures = 0;
+                published += report.published;
+                if report.published == 0 {
+                    if args.once {
+                        break Ok(());
+                    }
+                    pause_or_stop(interval, shutdown).await;
+                }
+            }
+            Ok(report) => {
+                // The broker refused a message: its destination waits, in order; the
+                // other destinations went on in this pass.
+                published += report.published;
+                for failure in &report.failed {
+                    eprintln!("relay: {failure}");
+                }
+                if args.once {
+                    break Err(Fail::new(
+                        fail::OTHER,
+                        format!(
+                            "{} destination(s) could not be published; their messages stay in the outbox",
+                            report.failed.len()
+                        ),
+                    ));
+                }
+                failures += 1;
+                let pause = backoff(failures);
+                eprintln!("relay: retrying in {pause:?} with a fresh broker connection");
+                // The connection may be gone: start over with a fresh one.
+                if let Some(p) = publisher.take() {
+                    p.close().await;
+                }
+                pause_or_stop(pause, shutdown).await;
+            }
+            Err(e) if args.once => break Err(relay_fail(e)),
+            Err(e) => {
+                failures += 1;
+                let pause = backoff(failures);
+                eprintln!("relay: {e}; retrying in {pause:?}");
+                pause_or_stop(pause, shutdown).await;
+            }
+        }
+    };
+    if let Some(p) = publisher {
+        p.close().await;
+    }
+    (published, result)
+}
+
+async fn pause_or_stop(pause: Duration, shutdown: &CancellationToken) {
+    tokio::select! {
+        () = shutdown.cancelled() => {}
+        () = tokio::time::sleep(pause) => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_grows_and_is_bounded() {
+        assert_eq!(backoff(1), Duration::from_millis(500));
+        assert_eq!(backoff(2), Duration::from_secs(1));
+        assert_eq!(backoff(40), Duration::from_secs(10));
+    }
+}

@@ -1,0 +1,350 @@
+//! Phased runs and the transactional outbox on SQL Server: statements and transactions
+//! only (the protocol is idem-core's [`idem_core::Run`] and [`idem_core::Idem::relay`]).
+//! Written from the documentation; verified offline only (SQL snapshots), and live where
+//! `IDEM_MSSQL_URL` is set (`tests/runs.rs`).
+//!
+//! - **Transactions** open like a claim's (`@@TRANCOUNT` must be 0, `XACT_ABORT OFF` so
+//!   a duplicate key ends only its statement), always at **READ COMMITTED** whatever the
+//!   claim's configured level: the run's row is read with `UPDLOCK, HOLDLOCK, ROWLOCK`,
+//!   the relay's oldest unsent messages with `UPDLOCK, READPAST, ROWLOCK` (rows other
+//!   relays hold are skipped), and the relay's list of unsent ids is a plain read (a
+//!   shared lock is compatible with the other relays' update locks). They commit with
+//!   the claim's checked commit (`IF @@TRANCOUNT = 1 COMMIT`).
+//! - **Bounded waits**: with a wait bound the first batch sets `SET LOCK_TIMEOUT <ms>`
+//!   (whole milliseconds, rounded up, at least 1) after reading the session's own
+//!   `@@LOCK_TIMEOUT`, which is set back at `COMMIT` or `ROLLBACK`. A lock wait that
+//!   runs out is error 1222, [`ErrorKind::LockTimeout`].
+//! - **A new run** is a plain `INSERT`; 2627/2601 answers `false`.
+//! - **Row counts** are the rows the `WHERE` matched (SQL Server counts matched rows);
+//!   counted statements start with `SET NOCOUNT OFF`.
+
+use std::time::Duration;
+
+use idem_core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem_core::{DbError, ErrorKind, Key, OutboxStore, Outgoing, RunStore, Scope, Status};
+use tiberius::{Row, ToSql};
+
+use crate::error_codes::{self, db_error_in};
+use crate::{
+    ENGINE, Isolation, MssqlBackend, MssqlTx, begin_batch, cutoff_parts, expired, read_error, sql,
+    text,
+};
+
+/// The first batch of a run transaction: the session's `@@TRANCOUNT` and
+/// `@@LOCK_TIMEOUT`, the lock wait bound when there is one, READ COMMITTED and `BEGIN`.
+pub(crate) fn runs_begin_batch(wait: Option<Duration>) -> String {
+    match wait {
+        Some(wait) => begin_batch(Isolation::ReadCommitted, wait),
+        None => format!("{}; {}", sql::CLAIM_STATE, sql::BEGIN_READ_COMMITTED),
+    }
+}
+
+/// A text column that must not be NULL.
+fn required(row: &Row, idx: usize, what: &str) -> Result<String, DbError> {
+    text(row, idx)?.ok_or_else(|| read_error(&format!("NULL {what}")))
+}
+
+/// A `varbinary` column holding UTF-8 text (identities, owner tokens).
+fn bytes_text(row: &Row, idx: usize, what: &str) -> Result<String, DbError> {
+    let bytes = row
+        .try_get::<&[u8], _>(idx)
+        .map_err(|e| db_error_in("reading a stored run", e))?
+        .ok_or_else(|| read_error(&format!("NULL {what}")))?;
+    String::from_utf8(bytes.to_vec()).map_err(|_| read_error(&format!("non-UTF-8 {what}")))
+}
+
+fn bigint(row: &Row, idx: usize, what: &str) -> Result<i64, DbError> {
+    row.try_get::<i64, _>(idx)
+        .map_err(|e| db_error_in("reading a stored run", e))?
+        .ok_or_else(|| read_error(&format!("NULL {what}")))
+}
+
+fn run_row(row: &Row) -> Result<RunRow, DbError> {
+    let status = row
+        .try_get::<u8, _>(5)
+        .map_err(|e| db_error_in("reading a stored run", e))?;
+    Ok(RunRow {
+        request: required(row, 0, "request")?,
+        owner: bytes_text(row, 1, "owner")?,
+        fence: bigint(row, 2, "fence")?,
+        point: required(row, 3, "point")?,
+        state: text(row, 4)?,
+        status: status
+            .map(|code| Status::from_code(i64::from(code)))
+            .transpose()?,
+        response: text(row, 6)?,
+        lease_over: expired(row, 7)?,
+        expired: expired(row, 8)?,
+    })
+}
+
+fn outbox_row(row: &Row) -> Result<OutboxRow, DbError> {
+    Ok(OutboxRow {
+        id: bigint(row, 0, "id")?,
+        destination: bytes_text(row, 1, "destination")?,
+        message_id: bytes_text(row, 2, "message_id")?,
+        payload: required(row, 3, "payload")?,
+    })
+}
+
+impl RunStore for MssqlBackend {
+    async fn begin_runs(&self, wait: Option<Duration>) -> Result<MssqlTx, DbError> {
+        let (lease, session_lock_timeout) = self.open_transaction(&runs_begin_batch(wait)).await?;
+        Ok(MssqlTx {
+            lease,
+            restore_lock_timeout: wait.map(|_| session_lock_timeout),
+        })
+    }
+
+    async fn commit_runs(&self, mut tx: MssqlTx) -> Result<(), DbError> {
+        let batch = match tx.restore_lock_timeout {
+            Some(ms) => format!("{}{ms}; {}", sql::SET_LOCK_TIMEOUT, sql::CHECKED_COMMIT),
+            None => sql::CHECKED_COMMIT.to_owned(),
+        };
+        match tx.lease.batch(&batch).await {
+            Ok(row) => {
+                let found = row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+                if found == Some(1) {
+                    tx.lease.mark_committed();
+                    return Ok(());
+                }
+                // Not idem's transaction alone: roll back every level, never reuse it.
+                tx.lease.discard();
+                let e = DbError::new(
+                    ENGINE,
+                    ErrorKind::Other,
+                    format!(
+                        "@@TRANCOUNT was {found:?} at commit instead of 1 (a phase's effect \
+                         ended the transaction, or left a nested BEGIN open); nothing was \
+                         committed, the session was rolled back and discarded"
+                    ),
+                );
+                Err(self.rollback_after(tx.lease, e).await)
+            }
+            Err(e) => {
+                let e = db_error_in("committing", e);
+                Err(self.rollback_after(tx.lease, e).await)
+            }
+        }
+    }
+
+    async fn rollback_runs(&self, mut tx: MssqlTx) -> Result<(), DbError> {
+        let ended = tx.lease.rollback().await;
+        let reset = match tx.restore_lock_timeout {
+            Some(ms) => tx
+                .lease
+                .batch(&format!("{}{ms}", sql::SET_LOCK_TIMEOUT))
+                .await
+                .map(drop),
+            None => Ok(()),
+        };
+        if ended.is_err() || reset.is_err() {
+            tx.lease.discard();
+        }
+        ended.map_err(|e| db_error_in("rolling back", e))
+    }
+
+    async fn insert_run(
+        &self,
+        tx: &mut MssqlTx,
+        scope: &Scope,
+        key: &Key,
+        run: &NewRun<'_>,
+    ) -> Result<bool, DbError> {
+        let (principal, operation, key) = (
+            scope.principal.as_str().as_bytes(),
+            scope.operation.as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        );
+        let owner = run.owner.as_bytes();
+        let (ld, ls, lm) = cutoff_parts(run.lease);
+        let (rd, rs, rm) = cutoff_parts(run.retention);
+        let params: [&dyn ToSql; 13] = [
+            &principal,
+            &operation,
+            &key,
+            &run.request,
+            &owner,
+            &run.fence,
+            &run.point,
+            &ld,
+            &ls,
+            &lm,
+            &rd,
+            &rs,
+            &rm,
+        ];
+        match tx.lease.execute(sql::INSERT_RUN, &params).await {
+            Ok(_) => Ok(true),
+            Err(e) if error_codes::classify(&e) == ErrorKind::UniqueViolation => Ok(false),
+            Err(e) => Err(db_error_in("inserting the run", e)),
+        }
+    }
+
+    async fn read_run(
+        &self,
+        tx: &mut MssqlTx,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<Option<RunRow>, DbError> {
+        let (principal, operation, key) = (
+            scope.principal.as_str().as_bytes(),
+            scope.operation.as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        );
+        let row = tx
+            .lease
+            .query_row(sql::SELECT_RUN, &[&principal, &operation, &key])
+            .await
+            .map_err(|e| db_error_in("reading the run", e))?;
+        row.as_ref().map(run_row).transpose()
+    }
+
+    async fn write_run(
+        &self,
+        tx: &mut MssqlTx,
+        scope: &Scope,
+        key: &Key,
+        expected: &str,
+        write: &RunWrite<'_>,
+    ) -> Result<bool, DbError> {
+        let (principal, operation, key) = (
+            scope.principal.as_str().as_bytes(),
+            scope.operation.as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        );
+        let (expected, owner) = (expected.as_bytes(), write.owner.as_bytes());
+        let status = write.status.map(Status::code);
+        let (ld, ls, lm) = cutoff_parts(write.lease);
+        let params: [&dyn ToSql; 13] = [
+            &principal,
+            &operation,
+            &key,
+            &expected,
+            &owner,
+            &write.fence,
+            &write.point,
+            &write.state,
+            &status,
+            &write.response,
+            &ld,
+            &ls,
+            &lm,
+        ];
+        let n = tx
+            .lease
+            .execute(sql::WRITE_RUN, &params)
+            .await
+            .map_err(|e| db_error_in("writing the run", e))?;
+        Ok(n == 1)
+    }
+
+    async fn delete_run(
+        &self,
+        tx: &mut MssqlTx,
+        scope: &Scope,
+        key: &Key,
+        expected: &str,
+    ) -> Result<bool, DbError> {
+        let (principal, operation, key) = (
+            scope.principal.as_str().as_bytes(),
+            scope.operation.as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        );
+        let expected = expected.as_bytes();
+        let n = tx
+            .lease
+            .execute(sql::DELETE_RUN, &[&principal, &operation, &key, &expected])
+            .await
+            .map_err(|e| db_error_in("deleting the run", e))?;
+        Ok(n == 1)
+    }
+
+    async fn stalled_runs(&self, limit: u32) -> Result<Vec<StalledRow>, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let rows = lease
+            .query_all(sql::STALLED_RUNS, &[&i64::from(limit)])
+            .await
+            .map_err(|e| db_error_in("listing stalled runs", e))?;
+        drop(lease);
+        rows.iter()
+            .map(|row| {
+                Ok(StalledRow {
+                    principal: bytes_text(row, 0, "principal")?,
+                    operation: bytes_text(row, 1, "operation")?,
+                    key: bytes_text(row, 2, "request_key")?,
+                    point: required(row, 3, "point")?,
+                })
+            })
+            .collect()
+    }
+}
+
+impl OutboxStore for MssqlBackend {
+    async fn enqueue(&self, tx: &mut MssqlTx, message: &Outgoing) -> Result<(), DbError> {
+        let (destination, message_id, payload) = (
+            message.destination().as_bytes(),
+            message.message_id().as_bytes(),
+            message.payload(),
+        );
+        tx.lease
+            .execute(sql::ENQUEUE, &[&destination, &message_id, &payload])
+            .await
+            .map(drop)
+            .map_err(|e| db_error_in("storing an outbox message", e))
+    }
+
+    async fn lock_unsent(&self, tx: &mut MssqlTx, limit: u32) -> Result<Vec<OutboxRow>, DbError> {
+        let rows = tx
+            .lease
+            .query_all(sql::LOCK_UNSENT, &[&i64::from(limit)])
+            .await
+            .map_err(|e| db_error_in("locking unsent outbox messages", e))?;
+        rows.iter().map(outbox_row).collect()
+    }
+
+    async fn unsent_ids(
+        &self,
+        tx: &mut MssqlTx,
+        destination: &str,
+        up_to: i64,
+    ) -> Result<Vec<i64>, DbError> {
+        let destination = destination.as_bytes();
+        let rows = tx
+            .lease
+            .query_all(sql::UNSENT_IDS, &[&destination, &up_to])
+            .await
+            .map_err(|e| db_error_in("reading unsent outbox ids", e))?;
+        rows.iter().map(|row| bigint(row, 0, "id")).collect()
+    }
+
+    async fn mark_sent(&self, tx: &mut MssqlTx, ids: &[i64]) -> Result<(), DbError> {
+        for chunk in ids.chunks(sql::MARK_SENT_CHUNK) {
+            let params: Vec<&dyn ToSql> = chunk.iter().map(|id| id as &dyn ToSql).collect();
+            tx.lease
+                .execute(&sql::mark_sent(chunk.len()), &params)
+                .await
+                .map_err(|e| db_error_in("marking outbox messages sent", e))?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn run_transactions_begin_at_read_committed_with_an_optional_bound() {
+        let text = [
+            None,
+            Some(Duration::from_millis(50)),
+            Some(Duration::from_micros(1500)),
+        ]
+        .map(|wait| format!("-- {wait:?}\n{}\n", runs_begin_batch(wait)))
+        .join("\n");
+        insta::assert_snapshot!(text);
+        assert!(runs_begin_batch(None).ends_with("READ COMMITTED; BEGIN TRANSACTION"));
+        assert!(!runs_begin_batch(None).contains("SET LOCK_TIMEOUT"));
+    }
+}

@@ -1,0 +1,412 @@
+//! Phased runs and the transactional outbox on Oracle: statements and transactions only
+//! (the protocol is idem-core's [`idem_core::Run`] and [`idem_core::Idem::relay`]).
+//! Written from the documentation; verified offline only (SQL snapshots), and live where
+//! `IDEM_ORACLE_URL` is set (`tests/runs.rs`).
+//!
+//! - **Transactions** are a leased connection with no transaction open (Oracle starts one
+//!   at the first write or `FOR UPDATE`), at Oracle's READ COMMITTED: a run's row is read
+//!   `FOR UPDATE`, the relay's oldest unsent messages `FOR UPDATE SKIP LOCKED`, and the
+//!   relay's list of unsent ids is a plain query (committed data, never waiting).
+//! - **Bounded waits** (chosen: the call timeout, like the claim's): with a wait bound
+//!   the connection's call timeout is set to it (whole milliseconds, at least 1) and set
+//!   back at `COMMIT` or `ROLLBACK`. A call cut by it (DPI-1067, ORA-03156) is reported
+//!   as [`ErrorKind::LockTimeout`] (its code kept, the driver's error as the source):
+//!   the only call of such a transaction that can take that long is one waiting for a
+//!   row lock (the `INSERT` of a run another transaction is inserting, or its
+//!   `FOR UPDATE`). If ODPI-C could not clean the connection up, the rollback fails and
+//!   the pool closes it.
+//! - **`SKIP LOCKED` locks a row when it is fetched**, so the relay's read fetches and
+//!   prefetches at most its limit (at most [`LOCK_UNSENT_MAX`] rows per call), never
+//!   more: rows it would not use stay free for other relays.
+
+use std::time::Duration;
+
+use idem_core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem_core::{DbError, ErrorKind, Key, OutboxStore, Outgoing, RunStore, Scope, Status};
+use oracle::Connection;
+use oracle::sql_type::ToSql;
+
+use crate::{
+    ENGINE, OracleBackend, OracleTx, call_timeout_for, clob, db_error, first_row, ident_bytes,
+    interval_micros, is_call_timeout, is_unique_violation, rollback_after, sql,
+};
+
+/// The most messages one `lock_unsent` call locks (its fetch array and prefetch size).
+pub(crate) const LOCK_UNSENT_MAX: u32 = 1000;
+
+/// A run's identity, owned, to move onto the blocking pool.
+struct RunKey {
+    principal: Vec<u8>,
+    operation: Vec<u8>,
+    key: Vec<u8>,
+}
+
+impl RunKey {
+    fn new(scope: &Scope, key: &Key) -> Result<Self, DbError> {
+        Ok(Self {
+            principal: ident_bytes("principal", scope.principal.as_str())?,
+            operation: ident_bytes("operation", scope.operation.as_str())?,
+            key: ident_bytes("idempotency key", key.as_str())?,
+        })
+    }
+}
+
+/// A RAW column holding UTF-8 text (identities, owner tokens).
+fn raw_text(row: &oracle::Row, idx: usize, what: &str) -> Result<String, DbError> {
+    let bytes: Vec<u8> = row.get(idx).map_err(db_error)?;
+    String::from_utf8(bytes).map_err(|_| {
+        DbError::new(
+            ENGINE,
+            ErrorKind::CorruptRecord,
+            format!("a stored {what} is not UTF-8"),
+        )
+    })
+}
+
+fn run_row(row: &oracle::Row) -> Result<RunRow, DbError> {
+    let status: Option<i64> = row.get(5).map_err(db_error)?;
+    let lease_over: i64 = row.get(7).map_err(db_error)?;
+    let expired: i64 = row.get(8).map_err(db_error)?;
+    Ok(RunRow {
+        request: row.get(0).map_err(db_error)?,
+        owner: raw_text(row, 1, "owner")?,
+        fence: row.get(2).map_err(db_error)?,
+        point: row.get(3).map_err(db_error)?,
+        state: row.get(4).map_err(db_error)?,
+        status: status.map(Status::from_code).transpose()?,
+        response: row.get(6).map_err(db_error)?,
+        lease_over: lease_over == 1,
+        expired: expired == 1,
+    })
+}
+
+fn outbox_row(row: &oracle::Row) -> Result<OutboxRow, DbError> {
+    Ok(OutboxRow {
+        id: row.get(0).map_err(db_error)?,
+        destination: raw_text(row, 1, "destination")?,
+        message_id: raw_text(row, 2, "message_id")?,
+        payload: row.get(3).map_err(db_error)?,
+    })
+}
+
+/// A call cut by the transaction's wait bound, as the lock timeout it is.
+fn wait_ran_out(e: DbError, wait: Duration) -> DbError {
+    if !is_call_timeout(&e) {
+        return e;
+    }
+    let code = e.code().unwrap_or_default().to_owned();
+    let message = format!(
+        "a lock wait ran past the bound of {wait:?} (the connection's call timeout cut it): {}",
+        e.message()
+    );
+    DbError::new(ENGINE, ErrorKind::LockTimeout, message)
+        .with_code(code)
+        .with_source(e)
+}
+
+impl OracleTx {
+    /// Runs `f` on the transaction's connection; with a wait bound, a call it cut is a
+    /// lock timeout.
+    async fn call<T, F>(&mut self, f: F) -> Result<T, DbError>
+    where
+        F: FnOnce(&Connection) -> Result<T, DbError> + Send + 'static,
+        T: Send + 'static,
+    {
+        let bound = self.bound.map(|(wait, _)| wait);
+        let out = self.lease.run(f).await;
+        match bound {
+            Some(wait) => out.map_err(|e| wait_ran_out(e, wait)),
+            None => out,
+        }
+    }
+
+    /// The connection's own call timeout, if `begin_runs` changed it.
+    fn restore(&self) -> Option<Option<Duration>> {
+        self.bound.map(|(_, previous)| previous)
+    }
+}
+
+impl RunStore for OracleBackend {
+    async fn begin_runs(&self, wait: Option<Duration>) -> Result<OracleTx, DbError> {
+        let mut lease = self.lease().await?;
+        let bound = match wait {
+            None => None,
+            Some(wait) => {
+                let timeout = call_timeout_for(wait);
+                let previous = lease
+                    .run(move |c| {
+                        let previous = c.call_timeout().map_err(db_error)?;
+                        c.set_call_timeout(Some(timeout)).map_err(db_error)?;
+                        Ok::<_, DbError>(previous)
+                    })
+                    .await?;
+                Some((wait, previous))
+            }
+        };
+        Ok(OracleTx { lease, bound })
+    }
+
+    async fn commit_runs(&self, mut tx: OracleTx) -> Result<(), DbError> {
+        let restore = tx.restore();
+        tx.lease
+            .run(move |c| {
+                if let Some(previous) = restore
+                    && let Err(e) = c.set_call_timeout(previous)
+                {
+                    return Err(rollback_after(c, db_error(e)));
+                }
+                c.commit().map_err(|e| rollback_after(c, db_error(e)))
+            })
+            .await
+    }
+
+    async fn rollback_runs(&self, mut tx: OracleTx) -> Result<(), DbError> {
+        let restore = tx.restore();
+        // A failed rollback leaves the transaction open: the lease then closes the
+        // connection, which rolls back on the server.
+        tx.lease
+            .run(move |c| {
+                let restored = match restore {
+                    Some(previous) => c.set_call_timeout(previous).map_err(db_error),
+                    None => Ok(()),
+                };
+                let ended = c.rollback().map_err(db_error);
+                restored.and(ended)
+            })
+            .await
+    }
+
+    async fn insert_run(
+        &self,
+        tx: &mut OracleTx,
+        scope: &Scope,
+        key: &Key,
+        run: &NewRun<'_>,
+    ) -> Result<bool, DbError> {
+        let k = RunKey::new(scope, key)?;
+        let request = Some(run.request.to_owned());
+        let (owner, point) = (run.owner.as_bytes().to_vec(), run.point.to_owned());
+        let (fence, lease, retention) = (
+            run.fence,
+            interval_micros(run.lease),
+            interval_micros(run.retention),
+        );
+        tx.call(move |c| {
+            let inserted = c.execute(
+                sql::INSERT_RUN,
+                &[
+                    &k.principal,
+                    &k.operation,
+                    &k.key,
+                    &clob(&request),
+                    &owner,
+                    &fence,
+                    &point,
+                    &lease,
+                    &retention,
+                ],
+            );
+            match inserted {
+                Ok(_) => Ok(true),
+                Err(e) if is_unique_violation(&e) => Ok(false),
+                Err(e) => Err(db_error(e)),
+            }
+        })
+        .await
+    }
+
+    async fn read_run(
+        &self,
+        tx: &mut OracleTx,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<Option<RunRow>, DbError> {
+        let k = RunKey::new(scope, key)?;
+        tx.call(move |c| {
+            first_row(c, sql::SELECT_RUN, &[&k.principal, &k.operation, &k.key])
+                .map_err(db_error)?
+                .as_ref()
+                .map(run_row)
+                .transpose()
+        })
+        .await
+    }
+
+    async fn write_run(
+        &self,
+        tx: &mut OracleTx,
+        scope: &Scope,
+        key: &Key,
+        expected: &str,
+        write: &RunWrite<'_>,
+    ) -> Result<bool, DbError> {
+        let k = RunKey::new(scope, key)?;
+        let (owner, expected) = (
+            write.owner.as_bytes().to_vec(),
+            expected.as_bytes().to_vec(),
+        );
+        let point = write.point.to_owned();
+        let state = write.state.map(str::to_owned);
+        let response = write.response.map(str::to_owned);
+        let status = write.status.map(|s| i64::from(s.code()));
+        let (fence, lease) = (write.fence, interval_micros(write.lease));
+        tx.call(move |c| {
+            let params: [&dyn ToSql; 11] = [
+                &owner,
+                &fence,
+                &point,
+                &clob(&state),
+                &status,
+                &clob(&response),
+                &lease,
+                &k.principal,
+                &k.operation,
+                &k.key,
+                &expected,
+            ];
+            let rows = c
+                .execute(sql::WRITE_RUN, &params)
+                .and_then(|s| s.row_count())
+                .map_err(db_error)?;
+            Ok(rows == 1)
+        })
+        .await
+    }
+
+    async fn delete_run(
+        &self,
+        tx: &mut OracleTx,
+        scope: &Scope,
+        key: &Key,
+        expected: &str,
+    ) -> Result<bool, DbError> {
+        let k = RunKey::new(scope, key)?;
+        let expected = expected.as_bytes().to_vec();
+        tx.call(move |c| {
+            let rows = c
+                .execute(
+                    sql::DELETE_RUN,
+                    &[&k.principal, &k.operation, &k.key, &expected],
+                )
+                .and_then(|s| s.row_count())
+                .map_err(db_error)?;
+            Ok(rows == 1)
+        })
+        .await
+    }
+
+    async fn stalled_runs(&self, limit: u32) -> Result<Vec<StalledRow>, DbError> {
+        let mut lease = self.lease().await?;
+        let limit = i64::from(limit);
+        lease
+            .run(move |c| {
+                let rows = c.query(sql::STALLED_RUNS, &[&limit]).map_err(db_error)?;
+                rows.map(|row| {
+                    let row = row.map_err(db_error)?;
+                    Ok(StalledRow {
+                        principal: raw_text(&row, 0, "principal")?,
+                        operation: raw_text(&row, 1, "operation")?,
+                        key: raw_text(&row, 2, "request_key")?,
+                        point: row.get(3).map_err(db_error)?,
+                    })
+                })
+                .collect()
+            })
+            .await
+    }
+}
+
+impl OutboxStore for OracleBackend {
+    async fn enqueue(&self, tx: &mut OracleTx, message: &Outgoing) -> Result<(), DbError> {
+        let destination = ident_bytes("outbox destination", message.destination())?;
+        let message_id = ident_bytes("outbox message id", message.message_id())?;
+        let payload = Some(message.payload().to_owned());
+        tx.call(move |c| {
+            c.execute(sql::ENQUEUE, &[&destination, &message_id, &clob(&payload)])
+                .map(drop)
+                .map_err(db_error)
+        })
+        .await
+    }
+
+    async fn lock_unsent(&self, tx: &mut OracleTx, limit: u32) -> Result<Vec<OutboxRow>, DbError> {
+        let n = limit.clamp(1, LOCK_UNSENT_MAX);
+        tx.call(move |c| {
+            let mut stmt = c
+                .statement(sql::LOCK_UNSENT)
+                .fetch_array_size(n)
+                .prefetch_rows(n)
+                .build()
+                .map_err(db_error)?;
+            let rows = stmt.query(&[]).map_err(db_error)?;
+            rows.take(usize::try_from(n).unwrap_or(usize::MAX))
+                .map(|row| outbox_row(&row.map_err(db_error)?))
+                .collect()
+        })
+        .await
+    }
+
+    async fn unsent_ids(
+        &self,
+        tx: &mut OracleTx,
+        destination: &str,
+        up_to: i64,
+    ) -> Result<Vec<i64>, DbError> {
+        let destination = ident_bytes("outbox destination", destination)?;
+        tx.call(move |c| {
+            c.query_as::<i64>(sql::UNSENT_IDS, &[&destination, &up_to])
+                .and_then(|rows| rows.collect::<oracle::Result<Vec<i64>>>())
+                .map_err(db_error)
+        })
+        .await
+    }
+
+    async fn mark_sent(&self, tx: &mut OracleTx, ids: &[i64]) -> Result<(), DbError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ids = ids.to_vec();
+        tx.call(move |c| {
+            for chunk in ids.chunks(sql::MARK_SENT_CHUNK) {
+                let params: Vec<&dyn ToSql> = chunk.iter().map(|id| id as &dyn ToSql).collect();
+                c.execute(&sql::mark_sent(chunk.len()), &params)
+                    .map_err(db_error)?;
+            }
+            Ok(())
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cut_call_in_a_bounded_transaction_is_a_lock_timeout() {
+        let cut = DbError::new(
+            ENGINE,
+            ErrorKind::Connection,
+            "DPI-1067: call timeout of 50 ms",
+        )
+        .with_code("DPI-1067");
+        let e = wait_ran_out(cut, Duration::from_millis(50));
+        assert_eq!(e.kind(), ErrorKind::LockTimeout, "{e}");
+        assert_eq!(e.code(), Some("DPI-1067"));
+        assert!(e.kind().is_retryable());
+        let source = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<DbError>());
+        assert_eq!(source.map(DbError::kind), Some(ErrorKind::Connection));
+
+        let server = DbError::new(ENGINE, ErrorKind::Connection, "cut").with_code("ORA-03156");
+        assert_eq!(
+            wait_ran_out(server, Duration::from_secs(1)).kind(),
+            ErrorKind::LockTimeout
+        );
+        // Anything else keeps its own classification.
+        let dead = DbError::new(ENGINE, ErrorKind::Connection, "eof").with_code("ORA-03113");
+        assert_eq!(
+            wait_ran_out(dead, Duration::from_secs(1)).kind(),
+            ErrorKind::Connection
+        );
+    }
+}
