@@ -126,6 +126,9 @@ pub struct Run<B: RunStore> {
     state: Option<String>,
     resumed: bool,
     finished: Option<Finished>,
+    /// A commit ended with an unknown outcome (a lost connection): this handle no
+    /// longer knows the run's point, so it refuses further phases.
+    unknown: bool,
 }
 
 impl<B: RunStore> fmt::Debug for Run<B> {
@@ -235,7 +238,9 @@ impl<B: RunStore> Run<B> {
     /// state it returns (stored as JSON) in one local transaction, guarded by this
     /// owner's token. Retryable engine errors run the phase again (its writes were
     /// rolled back); [`Error::LeaseLost`] when another call took the run over (nothing
-    /// of this phase is kept).
+    /// of this phase is kept). A commit whose outcome is unknown (a lost connection) is
+    /// [`Error::Backend`], and this handle then refuses further phases: start the run
+    /// again ([`Idem::start`]) to learn where it stands.
     pub async fn phase<S, E, M, F>(&mut self, point: &str, mut effect: F) -> Result<S, Error<E>>
     where
         S: Serialize + Send + 'static,
@@ -290,6 +295,13 @@ impl<B: RunStore> Run<B> {
     }
 
     fn not_finished<E>(&self) -> Result<(), Error<E>> {
+        if self.unknown {
+            return Err(Error::InvalidInput(InvalidInput::new(
+                "run",
+                "an earlier commit of this run ended with an unknown outcome; start the run \
+                 again (Idem::start) to learn its recovery point",
+            )));
+        }
         if self.finished.is_some() {
             return Err(Error::InvalidInput(InvalidInput::new(
                 "run",
@@ -376,7 +388,12 @@ impl<B: RunStore> Run<B> {
             match backend.commit_runs(tx).await {
                 Ok(()) => return Ok((value, json)),
                 Err(e) if e.kind().is_retryable() => idem.pause(attempt, e).await?,
-                Err(e) => return Err(Error::Backend(e)),
+                Err(e) => {
+                    // The commit may have happened: never run this phase again from
+                    // this handle (its effect could apply twice).
+                    self.unknown = true;
+                    return Err(Error::Backend(e));
+                }
             }
         }
     }
@@ -574,6 +591,7 @@ impl<B: RunStore> Idem<B> {
                 state: None,
                 resumed: false,
                 finished: None,
+                unknown: false,
             })))
         };
         fn new_run<'r>(
@@ -681,6 +699,7 @@ impl<B: RunStore> Idem<B> {
             state: row.state,
             resumed: true,
             finished: None,
+            unknown: false,
         })))
     }
 
