@@ -585,9 +585,18 @@ mod mysql {
 
         async fn kill(&self, session: i64) -> Result<(), DbError> {
             let mut conn = live_conn(self).await?;
-            conn.query_drop(format!("KILL CONNECTION {session}"))
-                .await
-                .map_err(db_error)?;
+            if i64::from(conn.id()) == session {
+                // The session finished its call first (a race round) and went back to
+                // the pool, where this control connection picked it up: KILL would
+                // kill the control connection itself (1927). End it by disconnecting,
+                // then watch the process list from another connection.
+                conn.disconnect().await.map_err(db_error)?;
+                conn = live_conn(self).await?;
+            } else {
+                conn.query_drop(format!("KILL CONNECTION {session}"))
+                    .await
+                    .map_err(db_error)?;
+            }
             // KILL only flags the thread: wait until it has left the process list.
             for _ in 0..500 {
                 let gone: Option<u64> = conn
