@@ -1,16 +1,86 @@
 //! Least privilege: `migrations/<engine>/grants.sql` run live, in a private schema or
 //! database, with its roles renamed per run (roles are server-wide) and dropped after.
-//! The writer runs the protocol (execute, replay) but cannot rewrite, delete or re-key a
-//! stored record; the purger purges but cannot rewrite; the guard holds the owner too.
+//! The writer runs the protocol (execute, replay; a phased run with an outbox message and
+//! its relay) but cannot rewrite, delete or re-key a stored record; the purger purges but cannot rewrite; the guard holds the owner too.
 //! PostgreSQL and MariaDB are required: unreachable fails the test.
 
 #![allow(clippy::unwrap_used)]
 
 use std::time::Duration;
 
-use idem::core::{Idem, Key, Operation, Outcome, Principal, Request, Scope};
+use idem::core::runs::OutboxRow;
+use idem::core::{
+    BoxFuture, Error, Idem, Key, Operation, OutboxStore, Outcome, Outgoing, Principal, Publisher,
+    Request, Run, Scope,
+};
 use idem_conformance::{Balance, Bank};
-use serde_json::json;
+use serde_json::{Value, json};
+
+/// Counts what it is asked to publish.
+#[derive(Default)]
+struct Counter(std::sync::Mutex<Vec<String>>);
+
+impl Publisher for Counter {
+    type Error = std::io::Error;
+
+    async fn publish(&self, message: &OutboxRow) -> Result<(), std::io::Error> {
+        self.0.lock().unwrap().push(message.message_id.clone());
+        Ok(())
+    }
+}
+
+/// The phased step of [`phased_run_and_outbox`].
+fn step<B: OutboxStore>(run: &mut Run<B>) -> BoxFuture<'_, Result<(), Error<std::io::Error>>> {
+    Box::pin(async move {
+        if run.point() == "started" {
+            run.phase("noted", |_tx| {
+                Box::pin(async { Ok::<_, std::io::Error>(json!({"noted": true})) })
+            })
+            .await?;
+            return Ok(());
+        }
+        let message = Outgoing::new("order.paid", &run.message_id("order.paid"), &json!({}))?;
+        let backend = run.backend().clone();
+        run.finish(move |tx| {
+            let (backend, message) = (backend.clone(), message.clone());
+            Box::pin(async move {
+                backend
+                    .enqueue(tx, &message)
+                    .await
+                    .map_err(std::io::Error::other)?;
+                Ok::<_, std::io::Error>(json!({"status": "paid"}))
+            })
+        })
+        .await?;
+        Ok(())
+    })
+}
+
+/// As the writer role: a phased run (start, a phase, a finish that enqueues an outbox
+/// message), its replay, and the relay marking the message sent.
+async fn phased_run_and_outbox<B: OutboxStore + std::fmt::Debug>(writer: B) {
+    let idem = Idem::new(writer);
+    let scope = Scope::new(
+        Principal::new("account-1").unwrap(),
+        Operation::new("order", 1).unwrap(),
+    );
+    let key = Key::new("order-1").unwrap();
+    let request = Request::new(json!({"amount": 5}));
+    let first = idem
+        .execute_phased::<Value, _, _>(&scope, &key, &request, step::<B>)
+        .await
+        .unwrap();
+    assert_eq!(first, Outcome::Executed(json!({"status": "paid"})));
+    let again = idem
+        .execute_phased::<Value, _, _>(&scope, &key, &request, step::<B>)
+        .await
+        .unwrap();
+    assert_eq!(again, Outcome::Replayed(json!({"status": "paid"})));
+    let counter = Counter::default();
+    let report = idem.relay(&counter, 10).await.unwrap();
+    assert_eq!((report.published, report.failed.len()), (1, 0));
+    assert_eq!(idem.relay(&counter, 10).await.unwrap().published, 0);
+}
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -100,6 +170,7 @@ mod postgres {
             .await
             .unwrap();
         assert_eq!(again, Outcome::Replayed(Balance { balance: 900 }));
+        phased_run_and_outbox(writer_db.clone()).await;
 
         // The writer cannot rewrite the stored response or request, re-key or delete it.
         let w = writer_db.pool();
@@ -321,6 +392,7 @@ mod mysql {
             .await
             .unwrap();
         assert_eq!(again, Outcome::Replayed(Balance { balance: 900 }));
+        phased_run_and_outbox(writer_db.clone()).await;
 
         // The writer cannot rewrite the stored response or request (the guard: 1644,
         // SIGNAL 45000), re-key it (no column grant: 1143) or delete it (1142).

@@ -269,6 +269,11 @@ enum Command {
         #[arg(long, value_name = "MS", default_value_t = 2000,
             value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
         provider_timeout_ms: u64,
+        /// The lease this completer holds on each run it takes over (as `serve
+        /// --lease-ms`): longer than the provider timeout plus a phase.
+        #[arg(long, value_name = "MS", default_value_t = 30_000,
+            value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
+        lease_ms: u64,
         /// At most this many stalled runs, the longest-stalled first.
         #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
         limit: u32,
@@ -468,12 +473,14 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         Command::Complete {
             provider,
             provider_timeout_ms,
+            lease_ms,
             limit,
             json,
         } => {
             let url = explicit_url(cli.url.as_deref(), "complete")?;
             let timeout = std::time::Duration::from_millis(provider_timeout_ms);
-            with_bank!(url, K => orders::complete::<K>(url, provider.as_deref(), timeout, limit, json).await)
+            let lease = std::time::Duration::from_millis(lease_ms);
+            with_bank!(url, K => orders::complete::<K>(url, provider.as_deref(), timeout, lease, limit, json).await)
         }
         Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
     }

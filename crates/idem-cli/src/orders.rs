@@ -486,6 +486,7 @@ pub(crate) async fn complete<K: Bank>(
     url: &str,
     provider: Option<&str>,
     timeout: Duration,
+    lease: Duration,
     limit: u32,
     as_json: bool,
 ) -> Result<(), Fail> {
@@ -494,6 +495,7 @@ pub(crate) async fn complete<K: Bank>(
         .transpose()?;
     let bank = crate::commands::connected::<K>(url).await?;
     let report = Idem::new(bank.backend().clone())
+        .with_lease(lease)
         .complete(limit, step::<K>(Stepper::new(provider, None)))
         .await;
     bank.close().await?;

@@ -623,7 +623,10 @@ fn usage_errors_exit_2_and_help_names_the_options() {
                 "Idempotency-Key",
             ][..],
         ),
-        ("complete", &["--provider", "--limit", "--json", "order:v1"]),
+        (
+            "complete",
+            &["--provider", "--lease-ms", "--limit", "--json", "order:v1"],
+        ),
         (
             "serve",
             &[
@@ -950,7 +953,15 @@ async fn completer<K: Engine>(tag: &str) {
     assert!(charges(&c, &p).await.is_empty());
 
     // With --provider: charged once, paid.
-    let out = idem(&["--url", &db.url, "complete", "--provider", &p.base]);
+    let out = idem(&[
+        "--url",
+        &db.url,
+        "complete",
+        "--provider",
+        &p.base,
+        "--lease-ms",
+        "5000",
+    ]);
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(
         text(&out.stdout),
