@@ -15,7 +15,6 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::process::{ExitCode, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use idem::consumer::async_nats::jetstream::{self, stream};
@@ -30,92 +29,31 @@ use idem_conformance::Bank;
 use idem_conformance::mysql::MysqlBank;
 use idem_conformance::postgres::PgBank;
 use idem_conformance::sqlite::SqliteBank;
-use libtest_mimic::{Arguments, Failed, Trial};
+use libtest_mimic::{Arguments, Trial};
 use serde::Deserialize;
 use tokio::process::{Child, Command};
 
-type Res<T = ()> = Result<T, Failed>;
+#[path = "relay_support.rs"]
+mod support;
+
+use support::{Private, Res, amqp_url, check, fail, idem_binary, nats_url, unique};
+
 /// A message to publish: its ID (none for a message without one) and its amount.
 type Msg = (Option<String>, i64);
 
-/// RabbitMQ (`IDEM_AMQP_URL`, by default the local broker as guest).
-fn amqp_url() -> String {
-    env_url("IDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f")
-}
-
-/// NATS with JetStream (`IDEM_NATS_URL`, by default the local server).
-fn nats_url() -> String {
-    env_url("IDEM_NATS_URL", "nats://127.0.0.1:4222")
-}
 /// A hang guard only: no case asserts how long anything took.
 const GUARD: Duration = Duration::from_secs(600);
 const START: i64 = 1_000_000;
 
-fn fail(msg: impl Into<String>) -> Failed {
-    Failed::from(msg.into())
-}
-
-fn check(cond: bool, msg: impl FnOnce() -> String) -> Res {
-    if cond { Ok(()) } else { Err(fail(msg())) }
-}
-
-/// A name unique to this run and case.
-fn unique(tag: &str) -> String {
-    static N: AtomicU32 = AtomicU32::new(0);
-    format!(
-        "idem_{tag}_{}_{}_{}",
-        std::process::id(),
-        N.fetch_add(1, Ordering::SeqCst),
-        fastrand::u32(..10_000)
-    )
-}
-
-fn idem_binary() -> Res<PathBuf> {
-    let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
-    let bin = exe
-        .parent()
-        .and_then(Path::parent)
-        .map(|d| d.join("idem"))
-        .ok_or_else(|| fail("no target directory"))?;
-    check(bin.exists(), || {
-        format!(
-            "{} is missing: build it first with `cargo build -p idem-cli`",
-            bin.display()
-        )
-    })?;
-    Ok(bin)
-}
-
 // ---------------------------------------------------------------- engines
 
-/// A private database for one case, reachable by URL from the `idem` processes.
-trait Engine: Bank {
-    const NAME: &'static str;
-    /// Connects a fixture in a new private namespace and returns it with the URL the
-    /// CLI uses to reach that namespace.
-    fn private(tag: &str) -> impl Future<Output = Res<(Self, String)>> + Send;
+/// A private database for one case ([`Private`]), and what the cases read from it.
+trait Engine: Private {
     /// Processed-message records of `subscriber`.
     fn records(&self, subscriber: &str) -> impl Future<Output = Res<u64>> + Send;
 }
 
-fn env_url(var: &str, default: &str) -> String {
-    std::env::var(var).unwrap_or_else(|_| default.to_owned())
-}
-
 impl Engine for PgBank {
-    const NAME: &'static str = "postgres";
-    async fn private(tag: &str) -> Res<(Self, String)> {
-        let base = env_url(
-            "IDEM_POSTGRES_URL",
-            "postgres://postgres@127.0.0.1:5432/postgres",
-        );
-        let ns = unique(tag);
-        let bank = PgBank::connect(&base, Some(&ns))
-            .await
-            .map_err(|e| fail(format!("PostgreSQL at {base}: {e}")))?;
-        let sep = if base.contains('?') { '&' } else { '?' };
-        Ok((bank, format!("{base}{sep}options[search_path]={ns}")))
-    }
     async fn records(&self, subscriber: &str) -> Res<u64> {
         use idem::postgres::sqlx;
         let n: i64 =
@@ -129,25 +67,6 @@ impl Engine for PgBank {
 }
 
 impl Engine for MysqlBank {
-    const NAME: &'static str = "mysql";
-    async fn private(tag: &str) -> Res<(Self, String)> {
-        let base = env_url("IDEM_MYSQL_URL", "mysql://root@127.0.0.1:3306/test");
-        let ns = unique(tag);
-        let bank = MysqlBank::connect(&base, Some(&ns))
-            .await
-            .map_err(|e| fail(format!("MariaDB at {base}: {e}")))?;
-        let (head, query) = base.split_once('?').unwrap_or((&base, ""));
-        let (server, _db) = head
-            .rsplit_once('/')
-            .filter(|(s, _)| s.contains("//"))
-            .unwrap_or((head, ""));
-        let query = if query.is_empty() {
-            String::new()
-        } else {
-            format!("?{query}")
-        };
-        Ok((bank, format!("{server}/{ns}{query}")))
-    }
     async fn records(&self, subscriber: &str) -> Res<u64> {
         use idem::mysql::mysql_async::prelude::Queryable;
         let mut conn = self
@@ -168,18 +87,6 @@ impl Engine for MysqlBank {
 }
 
 impl Engine for SqliteBank {
-    const NAME: &'static str = "sqlite";
-    async fn private(tag: &str) -> Res<(Self, String)> {
-        let dir = std::env::temp_dir().join("idem-broker-tests");
-        std::fs::create_dir_all(&dir).map_err(|e| fail(e.to_string()))?;
-        let url = idem::sqlite::url_for(&dir.join("base.db"));
-        let ns = unique(tag);
-        let bank = SqliteBank::connect(&url, Some(&ns))
-            .await
-            .map_err(|e| fail(e.to_string()))?;
-        let file = dir.join(format!("base-{ns}.db"));
-        Ok((bank, idem::sqlite::url_for(&file)))
-    }
     async fn records(&self, subscriber: &str) -> Res<u64> {
         let subscriber = subscriber.to_owned();
         let n: i64 = self
@@ -1218,7 +1125,7 @@ macro_rules! case {
             format!(
                 "{}::{}::{}",
                 broker.name(),
-                <$K as Engine>::NAME,
+                <$K as Private>::NAME,
                 stringify!($name)
             ),
             move || {

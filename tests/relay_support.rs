@@ -1,4 +1,4 @@
-//! Shared by the `outbox` and `external` test targets: private namespaces on the live
+//! Shared by the `brokers`, `outbox` and `external` test targets: private namespaces on the live
 //! engines (reachable by URL from the `idem` binary), unique names, the `idem` binary,
 //! and reading what reached RabbitMQ and NATS JetStream.
 

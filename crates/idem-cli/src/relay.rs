@@ -56,8 +56,8 @@ pub(crate) struct RelayArgs {
     /// missing).
     #[arg(long, value_name = "NAME", default_value = "IDEM_OUTBOX")]
     stream: String,
-    /// Messages per pass (one transaction each).
-    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    /// Messages per pass (one transaction each; at most 1000).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
     batch: u32,
     /// Stop after the first pass that published nothing.
     #[arg(long)]

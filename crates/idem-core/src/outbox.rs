@@ -9,7 +9,7 @@ use serde::Serialize;
 
 use crate::error::{DbError, InvalidInput};
 use crate::ident::MAX_IDENT_BYTES;
-use crate::runs::{OutboxRow, OutboxStore};
+use crate::runs::{MAX_RELAY_BATCH, OutboxRow, OutboxStore};
 
 /// A message to store in the outbox, validated before any SQL.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,7 +126,8 @@ impl<B: OutboxStore> crate::Idem<B> {
     /// once: a relay that dies after publishing and before its commit publishes again.
     ///
     /// A pass that meets a busy database, a deadlock or a lock timeout is run again under
-    /// the retry policy ([`crate::Idem::with_retry`]).
+    /// the retry policy ([`crate::Idem::with_retry`]). `limit` is capped at
+    /// [`crate::runs::MAX_RELAY_BATCH`].
     pub async fn relay<P: Publisher>(
         &self,
         publisher: &P,
@@ -160,7 +161,7 @@ impl<B: OutboxStore> crate::Idem<B> {
     ) -> Result<RelayReport, RelayError> {
         let backend = self.backend();
         let mut tx = backend.begin_runs(None).await?;
-        match relay_in(backend, &mut tx, publisher, limit.max(1)).await {
+        match relay_in(backend, &mut tx, publisher, limit.clamp(1, MAX_RELAY_BATCH)).await {
             Ok((report, sent)) => {
                 if !sent.is_empty()
                     && let Err(e) = backend.mark_sent(&mut tx, &sent).await

@@ -196,10 +196,36 @@ pub trait OutboxStore: RunStore {
         up_to: i64,
     ) -> impl Future<Output = Result<Vec<i64>, DbError>> + Send;
 
-    /// Marks messages sent (by the database clock).
+    /// Marks messages sent (by the database clock). The relay passes at most
+    /// [`MAX_RELAY_BATCH`] ids, so one statement with an `IN` list of bind parameters
+    /// ([`in_list`]) fits every engine's limits.
     fn mark_sent(
         &self,
         tx: &mut Self::Tx,
         ids: &[i64],
     ) -> impl Future<Output = Result<(), DbError>> + Send;
+}
+
+/// The most messages one relay pass takes (and so the most ids [`OutboxStore::mark_sent`]
+/// gets): 1,000, which fits Oracle's `IN` list (ORA-01795) and SQL Server's 2,100
+/// parameters.
+pub const MAX_RELAY_BATCH: u32 = 1000;
+
+/// `prefix` followed by `n` placeholders (`placeholder(1)` … `placeholder(n)`, at least
+/// one, so never an empty `IN ()`) separated by `", "`, and `)`: an engine's statement
+/// over a list of bound ids (`… WHERE id IN (` + `@P1, @P2` + `)`).
+pub fn in_list(prefix: &str, n: usize, placeholder: impl Fn(usize) -> String) -> String {
+    let items: Vec<String> = (1..=n.max(1)).map(placeholder).collect();
+    format!("{prefix}{})", items.join(", "))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_list;
+
+    #[test]
+    fn in_lists_have_one_placeholder_per_item_and_never_none() {
+        assert_eq!(in_list("IN (", 3, |i| format!(":{i}")), "IN (:1, :2, :3)");
+        assert_eq!(in_list("IN (", 0, |_| "?".into()), "IN (?)");
+    }
 }

@@ -457,6 +457,42 @@ impl MssqlBackend {
         Ok((lease, session_lock_timeout))
     }
 
+    /// Runs `batch` (ending in [`sql::CHECKED_COMMIT`]): commits only when
+    /// `@@TRANCOUNT` is exactly 1, otherwise rolls every level back and discards the
+    /// session. `what` names the code that may have ended the transaction.
+    pub(crate) async fn checked_commit(
+        &self,
+        mut lease: Lease,
+        batch: &str,
+        what: &str,
+    ) -> Result<(), DbError> {
+        match lease.batch(batch).await {
+            Ok(row) => {
+                let found = row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
+                if found == Some(1) {
+                    lease.mark_committed();
+                    return Ok(());
+                }
+                // Not idem's transaction alone: roll back every level, never reuse it.
+                lease.discard();
+                let e = DbError::new(
+                    ENGINE,
+                    ErrorKind::Other,
+                    format!(
+                        "@@TRANCOUNT was {found:?} at commit instead of 1 ({what} ended the \
+                         transaction, or left a nested BEGIN open); nothing was committed, \
+                         the session was rolled back and discarded"
+                    ),
+                );
+                Err(self.rollback_after(lease, e).await)
+            }
+            Err(e) => {
+                let e = db_error_in("committing", e);
+                Err(self.rollback_after(lease, e).await)
+            }
+        }
+    }
+
     async fn rollback_after(&self, mut lease: Lease, error: DbError) -> DbError {
         // Best effort: if the rollback fails the lease is closed, which rolls back too.
         let _ = lease.rollback().await;
@@ -757,32 +793,8 @@ impl Backend for MssqlBackend {
                 return Err(self.rollback_after(tx.lease, e).await);
             }
         }
-        let committed = tx.lease.batch(sql::CHECKED_COMMIT).await;
-        match committed {
-            Ok(row) => {
-                let found = row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
-                if found == Some(1) {
-                    tx.lease.mark_committed();
-                    return Ok(());
-                }
-                // Not idem's transaction alone: roll back every level, never reuse it.
-                tx.lease.discard();
-                let e = DbError::new(
-                    ENGINE,
-                    ErrorKind::Other,
-                    format!(
-                        "@@TRANCOUNT was {found:?} at commit instead of 1 (the effect ended the \
-                         transaction, or left a nested BEGIN open); nothing was committed, \
-                         the session was rolled back and discarded"
-                    ),
-                );
-                Err(self.rollback_after(tx.lease, e).await)
-            }
-            Err(e) => {
-                let e = db_error_in("committing", e);
-                Err(self.rollback_after(tx.lease, e).await)
-            }
-        }
+        self.checked_commit(tx.lease, sql::CHECKED_COMMIT, "the effect")
+            .await
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {

@@ -26,8 +26,7 @@ use tiberius::{Row, ToSql};
 
 use crate::error_codes::{self, db_error_in};
 use crate::{
-    ENGINE, Isolation, MssqlBackend, MssqlTx, begin_batch, cutoff_parts, expired, read_error, sql,
-    text,
+    Isolation, MssqlBackend, MssqlTx, begin_batch, cutoff_parts, expired, read_error, sql, text,
 };
 
 /// The first batch of a run transaction: the session's `@@TRANCOUNT` and
@@ -96,36 +95,13 @@ impl RunStore for MssqlBackend {
         })
     }
 
-    async fn commit_runs(&self, mut tx: MssqlTx) -> Result<(), DbError> {
+    async fn commit_runs(&self, tx: MssqlTx) -> Result<(), DbError> {
         let batch = match tx.restore_lock_timeout {
             Some(ms) => format!("{}{ms}; {}", sql::SET_LOCK_TIMEOUT, sql::CHECKED_COMMIT),
             None => sql::CHECKED_COMMIT.to_owned(),
         };
-        match tx.lease.batch(&batch).await {
-            Ok(row) => {
-                let found = row.and_then(|r| r.try_get::<i32, _>(0).ok().flatten());
-                if found == Some(1) {
-                    tx.lease.mark_committed();
-                    return Ok(());
-                }
-                // Not idem's transaction alone: roll back every level, never reuse it.
-                tx.lease.discard();
-                let e = DbError::new(
-                    ENGINE,
-                    ErrorKind::Other,
-                    format!(
-                        "@@TRANCOUNT was {found:?} at commit instead of 1 (a phase's effect \
-                         ended the transaction, or left a nested BEGIN open); nothing was \
-                         committed, the session was rolled back and discarded"
-                    ),
-                );
-                Err(self.rollback_after(tx.lease, e).await)
-            }
-            Err(e) => {
-                let e = db_error_in("committing", e);
-                Err(self.rollback_after(tx.lease, e).await)
-            }
-        }
+        self.checked_commit(tx.lease, &batch, "a phase's effect")
+            .await
     }
 
     async fn rollback_runs(&self, mut tx: MssqlTx) -> Result<(), DbError> {
@@ -319,14 +295,15 @@ impl OutboxStore for MssqlBackend {
     }
 
     async fn mark_sent(&self, tx: &mut MssqlTx, ids: &[i64]) -> Result<(), DbError> {
-        for chunk in ids.chunks(sql::MARK_SENT_CHUNK) {
-            let params: Vec<&dyn ToSql> = chunk.iter().map(|id| id as &dyn ToSql).collect();
-            tx.lease
-                .execute(&sql::mark_sent(chunk.len()), &params)
-                .await
-                .map_err(|e| db_error_in("marking outbox messages sent", e))?;
+        if ids.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let params: Vec<&dyn ToSql> = ids.iter().map(|id| id as &dyn ToSql).collect();
+        tx.lease
+            .execute(&sql::mark_sent(ids.len()), &params)
+            .await
+            .map(drop)
+            .map_err(|e| db_error_in("marking outbox messages sent", e))
     }
 }
 

@@ -267,22 +267,9 @@ pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
 /// The start of [`mark_sent`]'s statement.
 pub(crate) const MARK_SENT: &str =
     "UPDATE idem_outbox SET sent_at = SYSUTCDATETIME() WHERE id IN (";
-/// The most ids one [`mark_sent`] statement binds (a request takes at most 2,100
-/// parameters).
-pub(crate) const MARK_SENT_CHUNK: usize = 1000;
-
 /// Marks `n` messages sent: [`MARK_SENT`] with `@P1 … @Pn` (`n` ≥ 1). Params: the ids.
 pub(crate) fn mark_sent(n: usize) -> String {
-    let mut sql = String::from(MARK_SENT);
-    for i in 1..=n.max(1) {
-        if i > 1 {
-            sql.push_str(", ");
-        }
-        sql.push_str("@P");
-        sql.push_str(&i.to_string());
-    }
-    sql.push(')');
-    sql
+    idem_core::runs::in_list(MARK_SENT, n, |i| format!("@P{i}"))
 }
 
 /// One bounded batch of runs that are expired **and** were started at least the given
@@ -446,7 +433,7 @@ mod tests {
 
     #[test]
     fn mark_sent_binds_one_dense_placeholder_per_id() {
-        for n in [1, 2, 9, 10, super::MARK_SENT_CHUNK] {
+        for n in [1, 2, 9, 10, idem_core::runs::MAX_RELAY_BATCH as usize] {
             let sql = super::mark_sent(n);
             assert_eq!(placeholders(&sql), (n, true), "{sql}");
             assert_eq!(sql.matches("@P").count(), n, "{sql}");

@@ -299,13 +299,13 @@ impl OutboxStore for MysqlBackend {
     }
 
     async fn mark_sent(&self, tx: &mut MysqlTx, ids: &[i64]) -> Result<(), DbError> {
-        for chunk in ids.chunks(sql::MARK_SENT_CHUNK) {
-            let params: Vec<Value> = chunk.iter().map(|&id| id.into()).collect();
-            tx.tx
-                .exec_drop(sql::mark_sent(chunk.len()), params)
-                .await
-                .map_err(db_error)?;
+        if ids.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let params: Vec<Value> = ids.iter().map(|&id| id.into()).collect();
+        tx.tx
+            .exec_drop(sql::mark_sent(ids.len()), params)
+            .await
+            .map_err(db_error)
     }
 }

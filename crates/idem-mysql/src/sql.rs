@@ -221,20 +221,10 @@ pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
 /// The start of [`mark_sent`]'s statement.
 pub(crate) const MARK_SENT: &str =
     "UPDATE idem_outbox SET sent_at = UTC_TIMESTAMP(6) WHERE id IN (";
-/// The most ids one [`mark_sent`] statement binds (a prepared statement takes at most
-/// 65,535 parameters).
-pub(crate) const MARK_SENT_CHUNK: usize = 1000;
-
 /// Marks `n` messages sent: [`MARK_SENT`] with `n` placeholders (`n` ≥ 1). Params: the
 /// ids.
 pub(crate) fn mark_sent(n: usize) -> String {
-    let mut sql = String::with_capacity(MARK_SENT.len() + 3 * n + 1);
-    sql.push_str(MARK_SENT);
-    for i in 0..n.max(1) {
-        sql.push_str(if i == 0 { "?" } else { ", ?" });
-    }
-    sql.push(')');
-    sql
+    idem_core::runs::in_list(MARK_SENT, n, |_| "?".to_owned())
 }
 
 /// Runs that are expired **and** were started at least `?` µs ago, oldest expiry first.
@@ -353,7 +343,7 @@ mod tests {
 
     #[test]
     fn mark_sent_binds_one_placeholder_per_id() {
-        for n in [1, 2, 7, super::MARK_SENT_CHUNK] {
+        for n in [1, 2, 7, idem_core::runs::MAX_RELAY_BATCH as usize] {
             let sql = super::mark_sent(n);
             assert_eq!(sql.matches('?').count(), n, "{sql}");
             assert!(

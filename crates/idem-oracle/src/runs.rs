@@ -367,12 +367,10 @@ impl OutboxStore for OracleBackend {
         }
         let ids = ids.to_vec();
         tx.call(move |c| {
-            for chunk in ids.chunks(sql::MARK_SENT_CHUNK) {
-                let params: Vec<&dyn ToSql> = chunk.iter().map(|id| id as &dyn ToSql).collect();
-                c.execute(&sql::mark_sent(chunk.len()), &params)
-                    .map_err(db_error)?;
-            }
-            Ok(())
+            let params: Vec<&dyn ToSql> = ids.iter().map(|id| id as &dyn ToSql).collect();
+            c.execute(&sql::mark_sent(ids.len()), &params)
+                .map(drop)
+                .map_err(db_error)
         })
         .await
     }

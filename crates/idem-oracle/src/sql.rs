@@ -245,22 +245,9 @@ pub(crate) const MARK_SENT: &str = concat!(
     now!(),
     " WHERE id IN ("
 );
-/// The most ids one [`mark_sent`] statement binds (an `IN` list holds at most 1,000
-/// expressions: ORA-01795).
-pub(crate) const MARK_SENT_CHUNK: usize = 1000;
-
 /// Marks `n` messages sent: [`MARK_SENT`] with `:1 … :n` (`n` ≥ 1). Binds: the ids.
 pub(crate) fn mark_sent(n: usize) -> String {
-    let mut sql = String::from(MARK_SENT);
-    for i in 1..=n.max(1) {
-        if i > 1 {
-            sql.push_str(", ");
-        }
-        sql.push(':');
-        sql.push_str(&i.to_string());
-    }
-    sql.push(')');
-    sql
+    idem_core::runs::in_list(MARK_SENT, n, |i| format!(":{i}"))
 }
 
 /// One bounded purge batch of runs that are expired **and** were started at least `:1`
@@ -380,7 +367,7 @@ mod tests {
 
     #[test]
     fn mark_sent_binds_one_placeholder_per_id_in_order() {
-        for n in [1, 2, 10, super::MARK_SENT_CHUNK] {
+        for n in [1, 2, 10, idem_core::runs::MAX_RELAY_BATCH as usize] {
             let sql = super::mark_sent(n);
             let want: Vec<u32> = (1..=u32::try_from(n).unwrap_or(0)).collect();
             assert_eq!(placeholders(&sql), want, "{sql}");
