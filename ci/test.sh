@@ -90,7 +90,7 @@ done
 
 # The fault suite (tests/faults): sessions killed from a second connection and client
 # processes SIGKILLed mid-transaction, retried with the same key, invariant checked after
-# every run; and the least-privilege roles of migrations/<engine>/grants.sql. Bigger runs:
+# every run; and the least-privilege roles of crates/idem-<engine>/migrations/grants.sql. Bigger runs:
 # IDEM_FAULT_SCALE=20 (or `-- --scale 20`).
 export IDEM_FAULT_SCALE=${IDEM_FAULT_SCALE:-10}
 for engine in sqlite postgres mysql; do

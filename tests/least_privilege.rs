@@ -1,4 +1,4 @@
-//! Least privilege: `migrations/<engine>/grants.sql` run live, in a private schema or
+//! Least privilege: `crates/idem-<engine>/migrations/grants.sql` run live, in a private schema or
 //! database, with its roles renamed per run (roles are server-wide) and dropped after.
 //! The writer runs the protocol (execute, replay; a phased run with an outbox message and
 //! its relay) but cannot rewrite, delete or re-key a stored record; the purger purges but cannot rewrite; the guard holds the owner too.
@@ -121,7 +121,7 @@ mod postgres {
 
     use super::*;
 
-    const GRANTS: &str = include_str!("../migrations/postgres/grants.sql");
+    const GRANTS: &str = include_str!("../crates/idem-postgres/migrations/grants.sql");
 
     fn url() -> String {
         std::env::var("IDEM_POSTGRES_URL")
@@ -317,7 +317,7 @@ mod mysql {
 
     use super::*;
 
-    const GRANTS: &str = include_str!("../migrations/mysql/grants.sql");
+    const GRANTS: &str = include_str!("../crates/idem-mysql/migrations/grants.sql");
 
     fn url() -> String {
         std::env::var("IDEM_MYSQL_URL")

@@ -274,6 +274,12 @@ pub fn problem_for<E>(error: &Error<E>) -> Option<Problem> {
         Error::RetriesExhausted { .. } => {
             unavailable("the database stayed busy; retry with the same key")
         }
+        Error::LockWait { waited } => unavailable(&format!(
+            "waited {} ms for a lock on the idempotency table that another session holds \
+             (a schema change, LOCK TABLE, a purge or a migration), not for a request with \
+             this key; nothing ran; retry with the same key",
+            waited.as_millis()
+        )),
         Error::Backend(e) if e.kind() == ErrorKind::Connection => unavailable(
             "the database connection failed; retry with the same key to learn the outcome",
         ),

@@ -31,6 +31,11 @@ pub(crate) const TIMED_OUT: u8 = 8;
 pub(crate) const AUTHENTICATION: u8 = 9;
 /// Exit code for a database that does not exist or cannot be opened.
 pub(crate) const MISSING_DATABASE: u8 = 10;
+/// Exit code for a call with the same key still running past the wait bound.
+pub(crate) const IN_PROGRESS: u8 = 11;
+/// Exit code for a lock on idem's table held by another session (not a call with this
+/// key) past the wait bound.
+pub(crate) const LOCK_WAIT: u8 = 12;
 
 /// How long a command waits for the database to accept a connection.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -50,7 +55,10 @@ Exit codes (the same on every engine):
   9   authentication failed (PostgreSQL 28P01/28000, MySQL 1045/1044/1698,
       SQL Server 18456, Oracle ORA-01017)
   10  database not found (PostgreSQL 3D000, MySQL 1049, SQL Server 4060,
-      Oracle ORA-12514/ORA-12505, SQLite: the file cannot be opened)";
+      Oracle ORA-12514/ORA-12505, SQLite: the file cannot be opened)
+  11  a call with the same key is still running (waited the wait bound); retry later
+  12  a lock on idem's table held by another session (a schema change, LOCK TABLE,
+      a purge) kept the call waiting past the wait bound; retry later";
 
 /// A failure: the message printed after `error: ` and the exit code.
 #[derive(Debug)]
@@ -120,6 +128,8 @@ impl From<Error<BankError>> for Fail {
             Error::KeyReused { .. } | Error::PayloadMismatch { .. } => KEY_REUSED,
             Error::Effect(BankError::Insufficient) => INSUFFICIENT,
             Error::Effect(BankError::NoAccount(_)) => NO_ACCOUNT,
+            Error::InProgress { .. } | Error::LeaseLost { .. } => IN_PROGRESS,
+            Error::LockWait { .. } => LOCK_WAIT,
             Error::Backend(db) => code_of(db),
             _ => OTHER,
         };
@@ -161,6 +171,8 @@ mod tests {
         ] {
             assert!(EXIT_CODES_HELP.contains(&format!("\n  {c} ")), "{c}");
         }
-        assert!(EXIT_CODES_HELP.contains(&format!("\n  {MISSING_DATABASE}  ")));
+        for c in [MISSING_DATABASE, IN_PROGRESS, LOCK_WAIT] {
+            assert!(EXIT_CODES_HELP.contains(&format!("\n  {c}  ")), "{c}");
+        }
     }
 }

@@ -219,6 +219,15 @@ pub enum Error<E> {
         /// How long this call waited for the other one.
         waited: std::time::Duration,
     },
+    /// A lock that is not another call's hold on this key (DDL, `LOCK TABLE`, a purge's
+    /// or a migration's locks on idem's table) kept this call waiting past the wait bound
+    /// ([`crate::Idem::with_wait_timeout`]). Nothing ran in this call; retry later with the
+    /// same key (HTTP 503 with `Retry-After`). Distinct from [`Error::InProgress`], which
+    /// means a concurrent call with the same key holds it.
+    LockWait {
+        /// How long this call waited.
+        waited: std::time::Duration,
+    },
     /// This call owned a phased run, but its lease ended and another call took the run
     /// over: this call's write was refused (fencing) and rolled back. The new owner
     /// carries the run on; retry with the same key to learn its answer.
@@ -265,6 +274,7 @@ impl<E> Error<E> {
                 Error::PayloadMismatch { stored, supplied }
             }
             Self::InProgress { waited } => Error::InProgress { waited },
+            Self::LockWait { waited } => Error::LockWait { waited },
             Self::LeaseLost { fence } => Error::LeaseLost { fence },
             Self::StoredRejection(v) => Error::StoredRejection(v),
             Self::RetriesExhausted { attempts, last } => Error::RetriesExhausted { attempts, last },
@@ -302,6 +312,13 @@ impl<E: fmt::Display> fmt::Display for Error<E> {
             Self::InProgress { waited } => write!(
                 f,
                 "a request with this key is still in progress (waited {} ms); retry later with the same key",
+                waited.as_millis()
+            ),
+            Self::LockWait { waited } => write!(
+                f,
+                "waited {} ms for a lock on idem's table that another session holds (DDL, LOCK \
+                 TABLE, a purge or a migration), not for a call with this key; nothing ran; \
+                 retry later with the same key",
                 waited.as_millis()
             ),
             Self::LeaseLost { fence } => write!(

@@ -142,6 +142,7 @@ impl Outcome {
             Error::KeyReused { .. } | Error::PayloadMismatch { .. } => Self::KeyReused,
             Error::Effect(_) => Self::EffectFailed,
             Error::InProgress { .. } | Error::LeaseLost { .. } => Self::InProgress,
+            Error::LockWait { .. } => Self::RetriesExhausted,
             // A stored final rejection is a replay, refused only by the caller's type.
             Error::StoredRejection(_) => Self::Replayed,
             Error::RetriesExhausted { .. } => Self::RetriesExhausted,

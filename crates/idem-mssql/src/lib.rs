@@ -185,22 +185,22 @@ use pool::{Lease, Pool};
 /// The engine's name in errors.
 pub(crate) const ENGINE: &str = "mssql";
 
-/// The migrations embedded from `migrations/mssql/`.
+/// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_idempotency_records.sql",
-        sql: include_str!("../../../migrations/mssql/0001_idempotency_records.sql"),
+        sql: include_str!("../migrations/0001_idempotency_records.sql"),
     },
     Migration {
         version: 2,
         name: "0002_expiry.sql",
-        sql: include_str!("../../../migrations/mssql/0002_expiry.sql"),
+        sql: include_str!("../migrations/0002_expiry.sql"),
     },
     Migration {
         version: 3,
         name: "0003_runs_and_outbox.sql",
-        sql: include_str!("../../../migrations/mssql/0003_runs_and_outbox.sql"),
+        sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
 ];
 

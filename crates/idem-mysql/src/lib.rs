@@ -180,22 +180,22 @@ use mysql_async::{
 
 pub use error_codes::db_error;
 
-/// The migrations embedded from `migrations/mysql/`.
+/// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_idempotency_records.sql",
-        sql: include_str!("../../../migrations/mysql/0001_idempotency_records.sql"),
+        sql: include_str!("../migrations/0001_idempotency_records.sql"),
     },
     Migration {
         version: 2,
         name: "0002_expiry.sql",
-        sql: include_str!("../../../migrations/mysql/0002_expiry.sql"),
+        sql: include_str!("../migrations/0002_expiry.sql"),
     },
     Migration {
         version: 3,
         name: "0003_runs_and_outbox.sql",
-        sql: include_str!("../../../migrations/mysql/0003_runs_and_outbox.sql"),
+        sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
 ];
 

@@ -128,22 +128,22 @@ use oracle::{Connection, Connector};
 pub use error_codes::db_error;
 pub use options::{ConnectOptions, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, MAX_CONNECTIONS_LIMIT};
 
-/// The migrations embedded from `migrations/oracle/`.
+/// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_idempotency_records.sql",
-        sql: include_str!("../../../migrations/oracle/0001_idempotency_records.sql"),
+        sql: include_str!("../migrations/0001_idempotency_records.sql"),
     },
     Migration {
         version: 2,
         name: "0002_expiry.sql",
-        sql: include_str!("../../../migrations/oracle/0002_expiry.sql"),
+        sql: include_str!("../migrations/0002_expiry.sql"),
     },
     Migration {
         version: 3,
         name: "0003_runs_and_outbox.sql",
-        sql: include_str!("../../../migrations/oracle/0003_runs_and_outbox.sql"),
+        sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
 ];
 

@@ -75,22 +75,22 @@ pub use error_codes::db_error;
 /// The transaction handed to effects.
 pub type PgTx = sqlx::Transaction<'static, Postgres>;
 
-/// The migrations embedded from `migrations/postgres/`.
+/// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 1,
         name: "0001_idempotency_records.sql",
-        sql: include_str!("../../../migrations/postgres/0001_idempotency_records.sql"),
+        sql: include_str!("../migrations/0001_idempotency_records.sql"),
     },
     Migration {
         version: 2,
         name: "0002_exact_json_and_expiry.sql",
-        sql: include_str!("../../../migrations/postgres/0002_exact_json_and_expiry.sql"),
+        sql: include_str!("../migrations/0002_exact_json_and_expiry.sql"),
     },
     Migration {
         version: 3,
         name: "0003_runs_and_outbox.sql",
-        sql: include_str!("../../../migrations/postgres/0003_runs_and_outbox.sql"),
+        sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
 ];
 

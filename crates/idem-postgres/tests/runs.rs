@@ -506,11 +506,11 @@ async fn a_bounded_start_waits_for_a_held_run_at_most_its_bound() {
     drop_private(admin, backend, schema).await;
 }
 
-/// `migrations/postgres/grants.sql` covers the new tables: the writer runs every run
+/// `migrations/grants.sql` covers the new tables: the writer runs every run
 /// and outbox statement, the purger purges both, neither can do the other's work.
 #[tokio::test]
 async fn the_least_privilege_roles_cover_runs_and_the_outbox() {
-    const GRANTS: &str = include_str!("../../../migrations/postgres/grants.sql");
+    const GRANTS: &str = include_str!("../migrations/grants.sql");
     let (admin, owner, schema) = private("grants", 2).await;
     let s = unique();
     let (writer_role, purger_role) = (format!("idem_writer_{s}"), format!("idem_purger_{s}"));
