@@ -2,7 +2,7 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), `idem serve` through a real HTTP client on each required engine, the broker
+# name otherwise), `idem demo serve` through a real HTTP client on each required engine, the broker
 # consumer tests (RabbitMQ and NATS JetStream, required) on each required engine, the
 # external-effect tests (outbox relays, the card charge under SIGKILLs), and the README's
 # walkthrough on each required engine.
@@ -107,7 +107,7 @@ cargo test --locked -p idem-tests --all-features --test least_privilege -- grant
 
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
-  step "HTTP: idem serve through reqwest on $engine (docs/http.md)"
+  step "HTTP: idem demo serve through reqwest on $engine (docs/http.md)"
   cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
 done
 
@@ -127,12 +127,12 @@ for engine in sqlite postgres mysql; do
 done
 
 # External effects (docs/external-effects.md): the outbox relay on both brokers, then the
-# card charge with `idem serve` SIGKILLed between every pair of phases and during the
+# card charge with `idem demo serve` SIGKILLed between every pair of phases and during the
 # provider call, under provider faults (bigger runs: IDEM_EXTERNAL_KEYS, default 12).
 if wants sqlite && wants postgres && wants mysql; then
   step "transactional outbox: relays on RabbitMQ and NATS JetStream (sqlite, postgres, mysql)"
   cargo test --locked -p idem-tests --all-features --test outbox
-  step "external effects: fake-provider, serve --provider, complete (idem command, every engine)"
+  step "external effects: idem demo fake-provider, serve --provider, complete (every engine)"
   cargo test --locked -p idem-cli --all-features --test orders
   step "external effects: the card charge under SIGKILLs and provider faults (sqlite, postgres, mysql)"
   cargo test --locked -p idem-tests --all-features --test external

@@ -6,7 +6,7 @@
 //! message ID, nothing left unacknowledged) and prints its counts.
 //!
 //! Brokers and engines are required: an unreachable one fails its cases.
-//! Build the binary first: `cargo build -p idem-cli` (ci/test.sh does).
+//! Build the binary first: `cargo build -p idem-cli --all-features` (ci/test.sh does).
 //! `IDEM_BROKER_MESSAGES` sets the size of the competing-consumers run (default 10,000,
 //! on every engine and both brokers).
 #![allow(clippy::unwrap_used)]
@@ -446,10 +446,12 @@ impl Summary {
     }
 }
 
+/// Starts `idem demo <command> <args>` on `db_url`.
 fn spawn(db_url: &str, command: &str, args: &[String]) -> Res<Child> {
     Command::new(idem_binary()?)
         .arg("--url")
         .arg(db_url)
+        .arg("demo")
         .arg(command)
         .args(args)
         .stdout(Stdio::piped())
@@ -481,7 +483,7 @@ async fn finish(child: Child) -> Res<Ended> {
 async fn summary(child: Child) -> Res<Summary> {
     let e = finish(child).await?;
     check(e.status.success(), || {
-        format!("idem consume failed ({}): {}", e.status, e.stderr)
+        format!("idem demo consume failed ({}): {}", e.status, e.stderr)
     })?;
     let line = e.stdout.lines().last().unwrap_or_default();
     serde_json::from_str(line).map_err(|err| fail(format!("no summary in {:?}: {err}", e.stdout)))
@@ -728,7 +730,7 @@ async fn dead_letters<K: Engine>(ctx: &Ctx<K>) -> Res {
         .await?;
     tokio::time::sleep(NATS_DUP_WINDOW + Duration::from_millis(100)).await;
     ctx.topic.publish(&[(Some(id.clone()), 51)]).await?;
-    // Through `idem publish`: an unknown account (the effect refuses it for good) and a
+    // Through `idem demo publish`: an unknown account (the effect refuses it for good) and a
     // negative amount (refused before any SQL).
     let (unknown, negative) = (unique("dl-account"), unique("dl-amount"));
     for (mid, account, amount) in [(&unknown, "999", "50"), (&negative, "1", "-5")] {

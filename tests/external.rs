@@ -5,16 +5,16 @@
 //! Per engine (SQLite in a temporary file, PostgreSQL, MariaDB; each required: an
 //! unreachable one fails the test), in a private schema, database or file:
 //!
-//! 1. `idem fake-provider` starts with `--fail-before-charge 0.15 --fail-after-charge
+//! 1. `idem demo fake-provider` starts with `--fail-before-charge 0.15 --fail-after-charge
 //!    0.15 --delay 100` (a random `--seed`, printed).
 //! 2. A deterministic pass: for each kill point (`started`, `order_created`, `charging`,
-//!    `charged`, `finished`) `idem serve --provider …` starts with `IDEM_SERVE_KILL_AT`
+//!    `charged`, `finished`) `idem demo serve --provider …` starts with `IDEM_SERVE_KILL_AT`
 //!    set to that point alone and `IDEM_SERVE_KILL_P=1`, and one client sends a fresh key
 //!    until the server dies there: every point is hit at least once.
 //! 3. The faulty run: every key (`IDEM_EXTERNAL_KEYS`, default 12, including the five
 //!    left mid-way by step 2) is sent by two concurrent clients, each retrying (409,
 //!    502, 503, connection errors: after a short pause) until it got 201. Meanwhile a
-//!    supervisor restarts `idem serve` whenever it dies, each time with a new random
+//!    supervisor restarts `idem demo serve` whenever it dies, each time with a new random
 //!    non-empty subset of the kill points and `IDEM_SERVE_KILL_P=0.3`. Leases are short
 //!    (`--lease-ms 800`), so a retry takes a dead server's run over quickly.
 //! 4. `idem relay --once` publishes the outbox to a private RabbitMQ exchange whose
@@ -27,7 +27,7 @@
 //! clients got 201 with identical bodies. Kills are counted per point from serve's
 //! stderr (`idem serve: killed at <point>`) and printed in one summary line per engine.
 //!
-//! Build the binary first: `cargo build -p idem-cli`. Size: `IDEM_EXTERNAL_KEYS`.
+//! Build the binary first: `cargo build -p idem-cli --all-features`. Size: `IDEM_EXTERNAL_KEYS`.
 #![allow(clippy::unwrap_used)]
 
 #[path = "relay_support.rs"]
@@ -233,6 +233,7 @@ impl Setup {
         [
             "--url",
             &self.url,
+            "demo",
             "serve",
             "--listen",
             "127.0.0.1:0",
@@ -599,6 +600,7 @@ async fn external<K: Private>() -> Res<String> {
     let provider_seed = fastrand::u64(..);
     let provider = start(
         &[
+            "demo",
             "fake-provider",
             "--listen",
             "127.0.0.1:0",

@@ -22,7 +22,7 @@
 //! `unreachable_broker`: `idem relay` to a closed port exits 7 with a clear message.
 //!
 //! Brokers and engines are required: an unreachable one fails its cases. Build the
-//! binary first: `cargo build -p idem-cli`.
+//! binary first: `cargo build -p idem-cli --all-features`.
 #![allow(clippy::unwrap_used)]
 
 #[path = "relay_support.rs"]

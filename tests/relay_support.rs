@@ -57,7 +57,8 @@ pub fn nats_url() -> String {
     env_url("IDEM_NATS_URL", "nats://127.0.0.1:4222")
 }
 
-/// The `idem` binary beside this test binary (build it with `cargo build -p idem-cli`).
+/// The `idem` binary beside this test binary (build it with
+/// `cargo build -p idem-cli --all-features`).
 pub fn idem_binary() -> Res<PathBuf> {
     let exe = std::env::current_exe().map_err(|e| fail(e.to_string()))?;
     let bin = exe
@@ -67,7 +68,7 @@ pub fn idem_binary() -> Res<PathBuf> {
         .ok_or_else(|| fail("no target directory"))?;
     check(bin.exists(), || {
         format!(
-            "{} is missing: build it first with `cargo build -p idem-cli`",
+            "{} is missing: build it first with `cargo build -p idem-cli --all-features`",
             bin.display()
         )
     })?;

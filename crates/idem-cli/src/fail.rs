@@ -60,6 +60,40 @@ Exit codes (the same on every engine):
   12  a lock on idem's table held by another session (a schema change, LOCK TABLE,
       a purge) kept the call waiting past the wait bound; retry later";
 
+/// The cargo features this binary was built with, as `idem --help` lists them.
+pub(crate) fn built_features() -> Vec<&'static str> {
+    [
+        (cfg!(feature = "sqlite"), "sqlite"),
+        (cfg!(feature = "postgres"), "postgres"),
+        (cfg!(feature = "mysql"), "mysql"),
+        (cfg!(feature = "mssql"), "mssql"),
+        (cfg!(feature = "oracle"), "oracle"),
+        (cfg!(feature = "amqp"), "amqp"),
+        (cfg!(feature = "nats"), "nats"),
+        (cfg!(feature = "http"), "http"),
+        (cfg!(feature = "bench"), "bench"),
+    ]
+    .into_iter()
+    .filter_map(|(on, name)| on.then_some(name))
+    .collect()
+}
+
+/// `idem --help`'s closing text: the exit codes, then what this build contains.
+pub(crate) fn exit_codes_and_build() -> String {
+    let features = built_features();
+    let built = if features.is_empty() {
+        "none".to_owned()
+    } else {
+        features.join(", ")
+    };
+    format!(
+        "{EXIT_CODES_HELP}\n\n\
+         Built with the features: {built}. Engines and commands of other features (postgres, \
+         mysql, mssql, oracle, amqp, nats, http, bench) need a build with them, for example \
+         `cargo install idem-cli --features full`."
+    )
+}
+
 /// A failure: the message printed after `error: ` and the exit code.
 #[derive(Debug)]
 pub(crate) struct Fail {
@@ -135,7 +169,9 @@ impl From<Error<BankError>> for Fail {
         };
         let message = match &e {
             Error::Effect(BankError::NoAccount(id)) => {
-                format!("no account {id}: create it with `idem account --id {id} --balance 1000`")
+                format!(
+                    "no account {id}: create it with `idem demo account --id {id} --balance 1000`"
+                )
             }
             _ => e.to_string(),
         };

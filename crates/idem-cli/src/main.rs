@@ -1,17 +1,67 @@
-//! `idem`: the walkthrough, migrations, purges, conformance checks and benchmarks,
-//! on an embedded SQLite by default and on any compiled-in engine by URL.
+//! `idem`: the operator's command for idem's tables (migrations, conformance checks,
+//! purges, the outbox relay, benchmarks, the engine comparison) on any compiled-in engine
+//! by URL, and `idem demo …`, a demo bank that shows the pattern.
+//!
+//! Each command lives in its own module and is one variant of [`Command`] plus one arm
+//! in [`run`]; the demo's commands are in [`demo`].
 
+// Built without any engine feature, only `docs` (and `bench --chart-only`) can run: the
+// engine dispatch has no arms, so what it would pass on is unused.
+#![cfg_attr(
+    not(any(
+        feature = "sqlite",
+        feature = "postgres",
+        feature = "mysql",
+        feature = "mssql",
+        feature = "oracle"
+    )),
+    allow(unused_variables, dead_code, unused_imports, unreachable_code)
+)]
+
+/// Runs `$body` with `$K` bound to the test bank type of the URL's engine.
+macro_rules! with_bank {
+    ($url:expr, $K:ident => $body:expr) => {{
+        match idem::Engine::from_url($url)? {
+            #[cfg(feature = "sqlite")]
+            idem::Engine::Sqlite => {
+                type $K = idem_conformance::sqlite::SqliteBank;
+                $body
+            }
+            #[cfg(feature = "postgres")]
+            idem::Engine::Postgres => {
+                type $K = idem_conformance::postgres::PgBank;
+                $body
+            }
+            #[cfg(feature = "mysql")]
+            idem::Engine::Mysql => {
+                type $K = idem_conformance::mysql::MysqlBank;
+                $body
+            }
+            #[cfg(feature = "mssql")]
+            idem::Engine::Mssql => {
+                type $K = idem_conformance::mssql::MssqlBank;
+                $body
+            }
+            #[cfg(feature = "oracle")]
+            idem::Engine::Oracle => {
+                type $K = idem_conformance::oracle::OracleBank;
+                $body
+            }
+            #[allow(unreachable_patterns)]
+            other => Err(crate::Fail::from(other.not_compiled())),
+        }
+    }};
+}
+
+#[cfg(feature = "bench")]
 mod bench;
 mod commands;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod consume;
 mod demo;
 mod fail;
-mod orders;
-mod provider;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod relay;
-mod serve;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -20,13 +70,10 @@ use clap::{Parser, Subcommand};
 
 pub(crate) use fail::Fail;
 
-/// The default database: a SQLite file in the current directory.
-const DEFAULT_URL: &str = "sqlite://idem.db";
-
-/// The URL a command that works on existing data (`check`, `purge`, `bench`) needs: given
-/// with `--url` or `IDEM_URL`, never the default, so that a forgotten URL does not
-/// create an empty `idem.db` in the current directory and report on it.
-fn explicit_url<'a>(url: Option<&'a str>, command: &str) -> Result<&'a str, Fail> {
+/// The URL an operator command needs: given with `--url` or `IDEM_URL`, never a default,
+/// so that a forgotten URL does not create an empty `idem.db` in the current directory
+/// and report on it.
+pub(crate) fn explicit_url<'a>(url: Option<&'a str>, command: &str) -> Result<&'a str, Fail> {
     url.ok_or_else(|| {
         Fail::new(
             fail::INVALID_INPUT,
@@ -38,29 +85,38 @@ fn explicit_url<'a>(url: Option<&'a str>, command: &str) -> Result<&'a str, Fail
     })
 }
 
+/// What `idem --help` shows before the commands.
+const OVERVIEW: &str = "\
+Safe retries of database writes: idempotency records on five SQL engines.
+
+The commands below are for operators: they work on your database, named by --url or
+IDEM_URL (required). `idem demo` runs a walkthrough of the pattern on a demo bank, and
+`idem demo --help` lists the demo's own commands (debits, a consumer, an HTTP server).";
+
 #[derive(Debug, Parser)]
 #[command(
     name = "idem",
     version,
     about = "Safe retries of database writes: idempotency records on five SQL engines",
-    after_help = fail::EXIT_CODES_HELP
+    long_about = OVERVIEW,
+    after_help = fail::EXIT_CODES_HELP,
+    after_long_help = fail::exit_codes_and_build()
 )]
-struct Cli {
+pub(crate) struct Cli {
     /// Database URL: sqlite::memory:, sqlite://idem.db, sqlite:///abs/path.db,
-    /// postgres://…, mysql://…, mariadb://…, mssql://…, oracle://… [default: sqlite://idem.db,
-    /// except for check, purge, bench, complete and relay, which require it]
-    #[arg(long, global = true, env = "IDEM_URL")]
+    /// postgres://…, mysql://…, mariadb://…, mssql://… (or an ADO.NET string), oracle://….
+    /// Required by every command except `idem demo …`, which defaults to sqlite://idem.db
+    /// (the walkthrough to a private file removed afterwards).
+    #[arg(long, global = true, env = "IDEM_URL", hide_env_values = true)]
     url: Option<String>,
 
     #[command(subcommand)]
     command: Command,
 }
 
+/// The operator's commands, then `demo`.
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Run the walkthrough (debit twice, reused key, duplicate insert, failed debit,
-    /// message consumer) in a private schema, database or file that is removed afterwards.
-    Demo,
     /// Apply idem's migrations to the database.
     Migrate,
     /// Run the conformance checks against the database and print what held and what was seen.
@@ -82,65 +138,16 @@ enum Command {
         #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
         batch: u32,
     },
-    /// Create an account or set its balance (the demo's `idem_demo_account` table), or show it.
-    Account {
-        /// The account's ID.
-        #[arg(long)]
-        id: i64,
-        /// The balance to set; without it, the balance is shown.
-        #[arg(long)]
-        balance: Option<i64>,
-    },
-    /// One idempotent debit: prints the JSON response; says on stderr whether it executed or
-    /// replayed. Exit codes: 3 key reused with a different request, 4 insufficient balance,
-    /// 5 no such account, 2 invalid input (all codes: `idem --help`).
-    Debit {
-        /// The account to debit.
-        #[arg(long)]
-        account: i64,
-        /// The client's idempotency key.
-        #[arg(long)]
-        key: String,
-        /// A positive whole amount.
-        #[arg(long, allow_negative_numbers = true)]
-        amount: i64,
-        /// The authenticated principal (default: `account-` followed by the account ID).
-        #[arg(long)]
-        principal: Option<String>,
-    },
-    /// The consumer variant: credit an account once per (subscriber, message ID).
-    CreditMessage {
-        /// The consumer's name.
-        #[arg(long)]
-        subscriber: String,
-        /// The message's ID.
-        #[arg(long)]
-        message_id: String,
-        /// The account to credit.
-        #[arg(long)]
-        account: i64,
-        /// A positive whole amount.
-        #[arg(long, allow_negative_numbers = true)]
-        amount: i64,
-    },
-    /// Credit the demo account once per message from RabbitMQ (--amqp, --queue) or NATS
-    /// JetStream (--nats, --stream, --consumer), acknowledging only after the commit.
-    #[cfg(any(feature = "amqp", feature = "nats"))]
-    #[command(after_long_help = consume::MESSAGE_FORMAT)]
-    Consume(consume::ConsumeArgs),
-    /// Publish demo messages (chosen IDs, duplicates on purpose) to RabbitMQ or JetStream.
-    #[cfg(any(feature = "amqp", feature = "nats"))]
-    #[command(after_long_help = consume::MESSAGE_FORMAT)]
-    Publish(consume::PublishArgs),
     /// Publish the transactional outbox to RabbitMQ or NATS JetStream.
     ///
-    /// Messages effects enqueued (such as the orders' `order.paid`) go to RabbitMQ
+    /// Messages effects enqueued (such as the demo orders' `order.paid`) go to RabbitMQ
     /// (--amqp) or NATS JetStream (--nats), in order per destination, each marked sent
     /// once the broker confirmed it. --once: until a pass publishes nothing, then print
     /// `published N`; otherwise until SIGINT or SIGTERM.
     #[cfg(any(feature = "amqp", feature = "nats"))]
     #[command(after_long_help = relay::RELAY_HELP)]
     Relay(relay::RelayArgs),
+    #[cfg(feature = "bench")]
     /// Measure the protocol's paths beside the bare effect on this database (SQLite,
     /// PostgreSQL, MySQL/MariaDB), in a private schema, database or file removed afterwards: throughput,
     /// p50/p99 latency, the ratios new ÷ bare, replay ÷ read, new ÷ server-side function,
@@ -186,101 +193,6 @@ enum Command {
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
         growth: Option<u64>,
     },
-    /// Serve the demo bank over HTTP with Idempotency-Key (see docs/http.md): PUT/GET
-    /// /accounts/{id}, POST /accounts/{id}/debits (bearer principal), POST
-    /// /subscribers/{name}/messages/{message_id}, GET /openapi.json, and with --provider
-    /// POST /orders (bearer principal; see docs/external-effects.md). Stops on SIGINT or
-    /// SIGTERM after in-flight requests finish.
-    Serve {
-        /// The address to listen on (port 0 picks a free one; the address is printed).
-        #[arg(long, default_value = "127.0.0.1:8080")]
-        listen: std::net::SocketAddr,
-        /// Work in a private schema, database or file of this name, created now and removed
-        /// at shutdown: for tests and throwaway demos. A lowercase letter, then lowercase
-        /// letters, digits or `_`.
-        #[arg(long, value_name = "NAME")]
-        namespace: Option<String>,
-        /// How long a request waits for a concurrent request with the same key before
-        /// answering 409 with Retry-After.
-        #[arg(long, default_value = "5s", value_parser = commands::parse_duration)]
-        wait_timeout: std::time::Duration,
-        /// Test aid: hold each debit's transaction open this long after its SQL ran
-        /// (to show 409 for a concurrent retry, or a client disconnecting mid-request).
-        #[arg(long, value_parser = commands::parse_duration)]
-        debit_delay: Option<std::time::Duration>,
-        /// The payment provider POST /orders charges (an http:// URL, such as the address
-        /// `idem fake-provider` prints). Without it, POST /orders answers 404.
-        #[arg(long, value_name = "URL")]
-        provider: Option<String>,
-        /// How long a charge request to the provider may take before POST /orders
-        /// answers 502 (the retry with the same key resumes the order at once).
-        #[arg(long, value_name = "MS", default_value_t = 2000,
-            value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
-        provider_timeout_ms: u64,
-        /// The lease of an order's run: while it lasts, a retry with the same key waits
-        /// (then 409); once it has ended (the server died mid-order), the retry or
-        /// `idem complete` takes the order over at its last recovery point.
-        #[arg(long, value_name = "MS", default_value_t = 30_000,
-            value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
-        lease_ms: u64,
-    },
-    /// A stand-in card provider for `idem serve --provider`, with its own Idempotency-Key
-    /// and faults on demand.
-    ///
-    /// POST /charges with `Idempotency-Key` and {"amount": N}: a new key is charged (201);
-    /// the same key and amount return the first charge (200, nothing charged); another
-    /// amount 422; no key or a bad body 400. GET /charges lists every charge, GET /stats
-    /// counts them. State in memory; stops on SIGINT or SIGTERM.
-    FakeProvider {
-        /// The address to listen on (port 0 picks a free one; the address is printed).
-        #[arg(long, default_value = "127.0.0.1:8081")]
-        listen: std::net::SocketAddr,
-        /// Probability (0 to 1) that a new charge answers 500 before anything is charged.
-        #[arg(long, value_name = "P", default_value_t = 0.0, allow_negative_numbers = true,
-            value_parser = provider::parse_probability)]
-        fail_before_charge: f64,
-        /// Probability (0 to 1) that a new charge is made, then answered with 500 or not at
-        /// all (the connection held about 30 s), half each.
-        #[arg(long, value_name = "P", default_value_t = 0.0, allow_negative_numbers = true,
-            value_parser = provider::parse_probability)]
-        fail_after_charge: f64,
-        /// Milliseconds to wait after recording a new charge before answering it.
-        #[arg(long, value_name = "MS", default_value_t = 0)]
-        delay: u64,
-        /// Seed of the fault draws, for a repeatable run.
-        #[arg(long)]
-        seed: Option<u64>,
-    },
-    /// Finish orders an `idem serve` left halfway (it died mid-order), once their lease
-    /// has ended.
-    ///
-    /// One pass over the phased runs whose owner stopped before their final answer: each
-    /// is taken over and driven with its operation's step. order:v1 with --provider: driven
-    /// to the end (the charge is repeated with its stable provider key, so never made
-    /// twice); without --provider: runs that never reached the provider end failed, the
-    /// others are left. Other operations are left. Prints one line per operation
-    /// ("order:v1: succeeded 1, failed 0, busy 0, left 0", then the errors) or --json;
-    /// exits 0 when the pass ran, even if some runs were left.
-    Complete {
-        /// The payment provider of order:v1 (an http:// URL).
-        #[arg(long, value_name = "URL")]
-        provider: Option<String>,
-        /// How long a charge request to the provider may take.
-        #[arg(long, value_name = "MS", default_value_t = 2000,
-            value_parser = clap::value_parser!(u64).range(1..=3_600_000))]
-        provider_timeout_ms: u64,
-        /// The lease this completer holds on each run it takes over (as `serve
-        /// --lease-ms`): longer than the provider timeout plus a phase.
-        #[arg(long, value_name = "MS", default_value_t = 30_000,
-            value_parser = clap::value_parser!(u64).range(100..=86_400_000))]
-        lease_ms: u64,
-        /// At most this many stalled runs, the longest-stalled first.
-        #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..))]
-        limit: u32,
-        /// Print the report as JSON.
-        #[arg(long)]
-        json: bool,
-    },
     /// Generate the engine comparison (docs/engines.md) from `idem check --json` reports.
     Docs {
         /// Report files written by `idem check --json`.
@@ -291,86 +203,29 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-}
-
-/// Runs `$body` with `$K` bound to the test bank type of the URL's engine.
-macro_rules! with_bank {
-    ($url:expr, $K:ident => $body:expr) => {{
-        match idem::Engine::from_url($url)? {
-            #[cfg(feature = "sqlite")]
-            idem::Engine::Sqlite => {
-                type $K = idem_conformance::sqlite::SqliteBank;
-                $body
-            }
-            #[cfg(feature = "postgres")]
-            idem::Engine::Postgres => {
-                type $K = idem_conformance::postgres::PgBank;
-                $body
-            }
-            #[cfg(feature = "mysql")]
-            idem::Engine::Mysql => {
-                type $K = idem_conformance::mysql::MysqlBank;
-                $body
-            }
-            #[cfg(feature = "mssql")]
-            idem::Engine::Mssql => {
-                type $K = idem_conformance::mssql::MssqlBank;
-                $body
-            }
-            #[cfg(feature = "oracle")]
-            idem::Engine::Oracle => {
-                type $K = idem_conformance::oracle::OracleBank;
-                $body
-            }
-            #[allow(unreachable_patterns)]
-            other => Err(Fail::from(other.not_compiled())),
-        }
-    }};
+    /// The demo bank (not for production): alone, the walkthrough; `idem demo --help`
+    /// lists its commands.
+    #[command(long_about = demo::DEMO_HELP)]
+    Demo(demo::DemoArgs),
 }
 
 async fn run(cli: Cli) -> Result<(), Fail> {
-    let url = cli.url.as_deref().unwrap_or(DEFAULT_URL);
+    let url = cli.url.as_deref();
     match cli.command {
-        Command::Demo => with_bank!(url, K => demo::run::<K>(url).await),
-        Command::Migrate => commands::migrate(url).await,
+        Command::Migrate => commands::migrate(explicit_url(url, "migrate")?).await,
         Command::Check { json } => {
-            let url = explicit_url(cli.url.as_deref(), "check")?;
+            let url = explicit_url(url, "check")?;
             with_bank!(url, K => commands::check::<K>(url, json.as_deref()).await)
         }
         Command::Purge { older_than, batch } => {
-            let url = explicit_url(cli.url.as_deref(), "purge")?;
-            commands::purge(url, older_than, batch).await
+            commands::purge(explicit_url(url, "purge")?, older_than, batch).await
         }
-        Command::Account { id, balance } => {
-            with_bank!(url, K => commands::account::<K>(url, id, balance).await)
-        }
-        Command::Debit {
-            account,
-            key,
-            amount,
-            principal,
-        } => {
-            with_bank!(url, K => commands::debit::<K>(url, account, &key, amount, principal).await)
-        }
-        Command::CreditMessage {
-            subscriber,
-            message_id,
-            account,
-            amount,
-        } => {
-            with_bank!(url, K => commands::credit_message::<K>(url, &subscriber, &message_id, account, amount).await)
-        }
-        #[cfg(any(feature = "amqp", feature = "nats"))]
-        Command::Consume(args) => {
-            with_bank!(url, K => consume::consume::<K>(url, args).await)
-        }
-        #[cfg(any(feature = "amqp", feature = "nats"))]
-        Command::Publish(args) => consume::publish(args).await,
         #[cfg(any(feature = "amqp", feature = "nats"))]
         Command::Relay(args) => {
-            let url = explicit_url(cli.url.as_deref(), "relay")?;
+            let url = explicit_url(url, "relay")?;
             with_bank!(url, K => relay::relay::<K>(url, args).await)
         }
+        #[cfg(feature = "bench")]
         Command::Bench {
             clients,
             duration,
@@ -402,7 +257,7 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             if opts.chart_only {
                 return bench::chart_only(&opts);
             }
-            let url = explicit_url(cli.url.as_deref(), "bench")?;
+            let url = explicit_url(url, "bench")?;
             // A server that cannot be reached fails now with its own exit code. SQLite is
             // not probed: opening the URL's file would leave it behind; the bench works in
             // a private file of its own.
@@ -434,55 +289,8 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 other => Err(Fail::from(other.not_compiled())),
             }
         }
-        Command::Serve {
-            listen,
-            namespace,
-            wait_timeout,
-            debit_delay,
-            provider,
-            provider_timeout_ms,
-            lease_ms,
-        } => {
-            let options = serve::Options {
-                listen,
-                namespace,
-                wait: wait_timeout,
-                debit_delay,
-                provider,
-                provider_timeout: std::time::Duration::from_millis(provider_timeout_ms),
-                lease: std::time::Duration::from_millis(lease_ms),
-            };
-            with_bank!(url, K => serve::run::<K>(url, options).await)
-        }
-        Command::FakeProvider {
-            listen,
-            fail_before_charge,
-            fail_after_charge,
-            delay,
-            seed,
-        } => {
-            provider::run(provider::Options {
-                listen,
-                fail_before: fail_before_charge,
-                fail_after: fail_after_charge,
-                delay: std::time::Duration::from_millis(delay),
-                seed,
-            })
-            .await
-        }
-        Command::Complete {
-            provider,
-            provider_timeout_ms,
-            lease_ms,
-            limit,
-            json,
-        } => {
-            let url = explicit_url(cli.url.as_deref(), "complete")?;
-            let timeout = std::time::Duration::from_millis(provider_timeout_ms);
-            let lease = std::time::Duration::from_millis(lease_ms);
-            with_bank!(url, K => orders::complete::<K>(url, provider.as_deref(), timeout, lease, limit, json).await)
-        }
         Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
+        Command::Demo(args) => demo::run(url, args).await,
     }
 }
 

@@ -1,10 +1,10 @@
-//! The card-charge walkthrough through the built binary: `idem fake-provider`, `idem serve
-//! --provider` (`POST /orders`) on SQLite and PostgreSQL, the serve kill hook, and
-//! `idem complete`.
+//! The card-charge walkthrough through the built binary: `idem demo fake-provider`,
+//! `idem demo serve --provider` (`POST /orders`) on SQLite and PostgreSQL, the serve kill
+//! hook, and `idem demo complete`. Every `idem` run here is an `idem demo …` command.
 //!
 //! Each test starts its own provider on a free port. The SQLite tests work in a private
 //! directory; the PostgreSQL tests in a private schema that the test creates (through the
-//! conformance fixture) and drops, so that a killed and restarted `idem serve` finds its
+//! conformance fixture) and drops, so that a killed and restarted `idem demo serve` finds its
 //! data again; the MySQL/MariaDB tests likewise in a private database. PostgreSQL and
 //! MySQL/MariaDB are required (`IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`, with the defaults of
 //! `ci/test.sh`): an unreachable server fails the test.
@@ -34,7 +34,7 @@ const KILL_VARS: [&str; 3] = [
     "IDEM_SERVE_KILL_DELAY_MS",
 ];
 
-/// A running `idem` process that printed its address.
+/// A running `idem demo …` process that printed its address.
 struct Proc {
     child: Child,
     base: String,
@@ -46,6 +46,7 @@ impl Proc {
     fn spawn(args: &[&str], env: &[(&str, &str)]) -> Self {
         let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
         command
+            .arg("demo")
             .args(args)
             .env_remove("IDEM_URL")
             .stdin(Stdio::null())
@@ -180,7 +181,7 @@ fn provider_at(listen: &str, extra: &[&str]) -> Proc {
     Proc::spawn(&args, &[])
 }
 
-/// `idem serve --provider` with a 1 s lease (a killed owner's run is taken over soon).
+/// `idem demo serve --provider` with a 1 s lease (a killed owner's run is taken over soon).
 fn serve(url: &str, provider: &str, env: &[(&str, &str)]) -> Proc {
     Proc::spawn(
         &[
@@ -198,9 +199,10 @@ fn serve(url: &str, provider: &str, env: &[(&str, &str)]) -> Proc {
     )
 }
 
-/// Runs `idem` to its end (bounded).
+/// Runs `idem demo <args>` to its end (bounded).
 fn idem(args: &[&str]) -> Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .arg("demo")
         .args(args)
         .env_remove("IDEM_URL")
         .stdin(Stdio::null())
@@ -604,6 +606,7 @@ fn usage_errors_exit_2_and_help_names_the_options() {
         .args([
             "--url",
             "sqlite::memory:",
+            "demo",
             "serve",
             "--provider",
             "http://127.0.0.1:1",
@@ -929,7 +932,7 @@ async fn mysql_kill_points() {
 }
 
 // ---------------------------------------------------------------------------------
-// idem complete.
+// idem demo complete.
 
 async fn completer<K: Engine>(tag: &str) {
     let db = K::open(tag).await;

@@ -1,4 +1,4 @@
-//! `idem serve` through a real HTTP client, on SQLite, PostgreSQL and MariaDB.
+//! `idem demo serve` through a real HTTP client, on SQLite, PostgreSQL and MariaDB.
 //!
 //! Each test starts the built `idem` binary on a free port in a private namespace
 //! (`--namespace`, removed at shutdown) and talks to it with reqwest. PostgreSQL and
@@ -33,6 +33,7 @@ impl Server {
             .args([
                 "--url",
                 url,
+                "demo",
                 "serve",
                 "--listen",
                 "127.0.0.1:0",
@@ -43,7 +44,7 @@ impl Server {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("spawn idem serve");
+            .expect("spawn idem demo serve");
         let stdout = child.stdout.take().unwrap();
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {
@@ -58,7 +59,9 @@ impl Server {
             Err(_) => {
                 let _ = child.kill();
                 let status = child.wait().ok();
-                panic!("idem serve printed no address (exit: {status:?}); is {url} reachable?");
+                panic!(
+                    "idem demo serve printed no address (exit: {status:?}); is {url} reachable?"
+                );
             }
         };
         let base = first
@@ -86,12 +89,12 @@ impl Server {
         let deadline = std::time::Instant::now() + GUARD;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "idem serve exited with {status}");
+                assert!(status.success(), "idem demo serve exited with {status}");
                 break;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "idem serve did not stop"
+                "idem demo serve did not stop"
             );
             std::thread::sleep(Duration::from_millis(50));
         }

@@ -1,4 +1,4 @@
-//! `idem serve`: the seed's bank over HTTP on any engine, built on `idem-axum`.
+//! `idem demo serve`: the demo bank over HTTP on any engine, built on `idem-axum`.
 //!
 //! The principal is the bearer token as sent (`Authorization: Bearer account-1`): a demo
 //! convention standing in for real authentication, which would verify a token and put
@@ -29,8 +29,8 @@ use tokio_util::task::TaskTracker;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::{Modify, OpenApi, ToSchema};
 
+use super::orders::{self, OrderBody, OrderRequest, Stepper};
 use crate::fail::Fail;
-use crate::orders::{self, OrderBody, OrderRequest, Stepper};
 
 /// The demo's problem types (besides idem's own, in `idem::axum::problem::types`).
 pub(crate) mod demo_types {
@@ -40,7 +40,7 @@ pub(crate) mod demo_types {
     pub(crate) const NO_ACCOUNT: &str = "urn:idem:demo:no-account";
 }
 
-/// What `idem serve` was asked to do.
+/// What `idem demo serve` was asked to do.
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
     /// Where to listen (port 0 picks a free port; the address is printed).
@@ -402,7 +402,7 @@ async fn post_message<K: Bank>(
         (status = 404, description = "The server was started without `--provider`"),
         (status = 409, description = "`urn:idem:problem:in-progress`: a request with the same key holds the run's lease (or took it over from this one); retry after `Retry-After`", body = ProblemBody, content_type = "application/problem+json",
             headers(("Retry-After" = u64, description = "Seconds"))),
-        (status = 422, description = "`urn:idem:problem:key-reused`: the key was used with a different request; or `urn:idem:demo:order-failed`: the run ended failed (`idem complete` abandoned it before the charge), replayed with `Idempotent-Replayed: true`", body = ProblemBody, content_type = "application/problem+json"),
+        (status = 422, description = "`urn:idem:problem:key-reused`: the key was used with a different request; or `urn:idem:demo:order-failed`: the run ended failed (`idem demo complete` abandoned it before the charge), replayed with `Idempotent-Replayed: true`", body = ProblemBody, content_type = "application/problem+json"),
         (status = 502, description = "`urn:idem:demo:provider-unavailable`: the provider failed, timed out or could not be reached; retry with the same key at once (the card is charged at most once)", body = ProblemBody, content_type = "application/problem+json",
             headers(("Retry-After" = u64, description = "Seconds"))),
         (status = 503, description = "`urn:idem:problem:unavailable`: retries exhausted or connection lost", body = ProblemBody, content_type = "application/problem+json",
@@ -478,7 +478,7 @@ impl Modify for BearerScheme {
 
 #[derive(OpenApi)]
 #[openapi(
-    info(title = "idem serve: the demo bank over HTTP", description = "Idempotent debits with the Idempotency-Key header, on any SQL engine idem supports. See docs/http.md."),
+    info(title = "idem demo serve: the demo bank over HTTP", description = "Idempotent debits with the Idempotency-Key header, on any SQL engine idem supports. See docs/http.md."),
     paths(put_account, get_account, post_debit, post_message, post_order, openapi),
     components(schemas(Account, SetBalance, Debit, BalanceBody, Message, MessageOutcome, OrderRequest, OrderBody, ProblemBody)),
     modifiers(&BearerScheme)

@@ -1,4 +1,4 @@
-//! `idem fake-provider`: a stand-in card provider for the card-charge walkthrough. Like a
+//! `idem demo fake-provider`: a stand-in card provider for the card-charge walkthrough. Like a
 //! real one it honours its own `Idempotency-Key` (a repeated key returns the first
 //! charge instead of charging again), and it fails on demand: before the charge, or
 //! after it (the charge is made but the answer is a 500 or never comes).
@@ -25,7 +25,7 @@ use crate::fail::Fail;
 /// How long a charge answered "never" holds its connection before giving up.
 const HOLD: Duration = Duration::from_secs(30);
 
-/// What `idem fake-provider` was asked to do.
+/// What `idem demo fake-provider` was asked to do.
 #[derive(Debug, Clone)]
 pub(crate) struct Options {
     /// Where to listen (port 0 picks a free port; the address is printed).
@@ -268,7 +268,7 @@ pub(crate) async fn run(options: Options) -> Result<(), Fail> {
     let stop = shutdown.clone();
     axum::serve(listener, router(Arc::clone(&provider)))
         .with_graceful_shutdown(async move {
-            crate::serve::shutdown_signal().await;
+            super::serve::shutdown_signal().await;
             stop.cancel();
         })
         .await

@@ -7,8 +7,8 @@
 //!           (pending)                 run.external_key("charge") `order.paid`, answer
 //! ```
 //!
-//! One step function ([`step`]) drives it, shared by `POST /orders` (`idem serve
-//! --provider`) and `idem complete`. A run stopped anywhere resumes at its last
+//! One step function ([`step`]) drives it, shared by `POST /orders` (`idem demo serve
+//! --provider`) and `idem demo complete`. A run stopped anywhere resumes at its last
 //! recovery point; the charge is repeated with the same provider key, so the provider
 //! returns the first charge instead of charging twice.
 
@@ -88,7 +88,7 @@ pub(crate) enum OrderError {
     /// unknown until the same provider key is sent again.
     #[error("the payment provider {0}")]
     Provider(String),
-    /// `idem complete` without `--provider` met a run whose charge may have been made.
+    /// `idem demo complete` without `--provider` met a run whose charge may have been made.
     #[error("stopped after its order was created: needs --provider to learn the charge's outcome")]
     NeedsProvider,
     /// A stalled run of an operation this command does not know.
@@ -115,7 +115,7 @@ impl ProviderClient {
                 fail::INVALID_INPUT,
                 format!(
                     "--provider {base:?} must be an http:// URL, such as the address \
-                     `idem fake-provider` prints"
+                     `idem demo fake-provider` prints"
                 ),
             )
         };
@@ -170,7 +170,7 @@ impl ProviderClient {
 pub(crate) const KILL_POINTS: [&str; 5] =
     [STARTED, ORDER_CREATED, "charging", "charged", "finished"];
 
-/// The test hook of `idem serve`: kill the process (SIGKILL) at recovery points, to
+/// The test hook of `idem demo serve`: kill the process (SIGKILL) at recovery points, to
 /// show that a crash anywhere charges once. Read from the environment at startup:
 /// `IDEM_SERVE_KILL_AT` (comma-separated points), `IDEM_SERVE_KILL_P` (probability each
 /// time a listed point is reached, default 1), `IDEM_SERVE_KILL_DELAY_MS` (for
@@ -206,7 +206,7 @@ impl KillHook {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let probability = match var("IDEM_SERVE_KILL_P") {
-            Some(p) => crate::provider::parse_probability(&p)
+            Some(p) => super::provider::parse_probability(&p)
                 .map_err(|e| bad(format!("IDEM_SERVE_KILL_P: {e}")))?,
             None => 1.0,
         };
@@ -245,7 +245,7 @@ fn kill_now(point: &str) -> ! {
     std::process::abort()
 }
 
-/// What a step may use: the provider (none in `idem complete` without `--provider`)
+/// What a step may use: the provider (none in `idem demo complete` without `--provider`)
 /// and the test hook (serve only).
 #[derive(Debug, Clone)]
 pub(crate) struct Stepper {
@@ -282,7 +282,7 @@ impl Stepper {
     }
 }
 
-/// The answer a run at `started` gets from `idem complete` without `--provider`.
+/// The answer a run at `started` gets from `idem demo complete` without `--provider`.
 fn abandoned() -> Value {
     json!({"status": "failed", "reason": "abandoned before the charge"})
 }
@@ -327,7 +327,7 @@ async fn advance<K: Bank>(run: &mut Run<K::B>, stepper: &Stepper) -> Result<(), 
 }
 
 /// `started` → `order_created`: the order row, in the phase's transaction. Without a
-/// provider (`idem complete`) the run ends failed instead: nothing was charged and no
+/// provider (`idem demo complete`) the run ends failed instead: nothing was charged and no
 /// order exists.
 async fn create_order<K: Bank>(
     run: &mut Run<K::B>,
@@ -481,7 +481,7 @@ pub(crate) fn answer(out: Result<Outcome<OrderBody>, Error<OrderError>>) -> Resp
     }
 }
 
-/// `idem complete`: one pass of [`Idem::complete`] with the `order:v1` step.
+/// `idem demo complete`: one pass of [`Idem::complete`] with the `order:v1` step.
 pub(crate) async fn complete<K: Bank>(
     url: &str,
     provider: Option<&str>,
