@@ -59,6 +59,8 @@ mod commands;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod consume;
 mod demo;
+#[cfg(all(test, feature = "full"))]
+mod doc_commands;
 mod fail;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod relay;
