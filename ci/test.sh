@@ -2,10 +2,11 @@
 # The whole test run: formatting, clippy with warnings denied, every test of every crate,
 # the conformance suite on SQLite, PostgreSQL and MariaDB (required: unreachable fails the
 # run), SQL Server and Oracle when IDEM_MSSQL_URL / IDEM_ORACLE_URL are set (skipped by
-# name otherwise), `idem demo serve` through a real HTTP client on each required engine, the broker
-# consumer tests (RabbitMQ and NATS JetStream, required) on each required engine, the
-# external-effect tests (outbox relays, the card charge under SIGKILLs), and the README's
-# walkthrough on each required engine.
+# name otherwise), `idem demo serve` through a real HTTP client on each required engine, the
+# broker consumer tests (RabbitMQ and NATS JetStream, required unless IDEM_BROKERS=0) on each
+# required engine, the external-effect tests (outbox relays, the card charge under SIGKILLs),
+# and the README's walkthrough on each required engine. It starts only the servers these
+# steps need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -18,17 +19,36 @@ export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
 export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 # Which engines this run requires (the container matrix narrows it per job).
 IDEM_ENGINES=${IDEM_ENGINES:-"sqlite postgres mysql"}
+# The broker steps (RabbitMQ and NATS JetStream: consumers, outbox relays, the card charge)
+# run unless IDEM_BROKERS=0; the private clusters (Galera, PostgreSQL failover) unless
+# IDEM_CLUSTERS=0. What is left out is said by name.
+IDEM_BROKERS=${IDEM_BROKERS:-1}
+IDEM_CLUSTERS=${IDEM_CLUSTERS:-1}
 
 step() { printf '\n==> [%ss] %s\n' "$SECONDS" "$*"; }
 wants() { [[ " $IDEM_ENGINES " == *" $1 "* ]]; }
+brokers() { [ "$IDEM_BROKERS" = 1 ]; }
+clusters() { [ "$IDEM_CLUSTERS" = 1 ]; }
 
+# Only the servers the selected steps need: none for IDEM_ENGINES=sqlite IDEM_BROKERS=0
+# IDEM_CLUSTERS=0.
 source ci/services.sh
-step "services"
-if wants postgres; then ensure_postgres "$IDEM_POSTGRES_URL"; fi
-if wants mysql; then ensure_mariadb "$IDEM_MYSQL_URL"; fi
-ensure_rabbitmq "$IDEM_AMQP_URL"
-ensure_nats "$IDEM_NATS_URL"
-if wants postgres; then ensure_postgres_binaries; fi
+step "services (engines: $IDEM_ENGINES; brokers: $(brokers && echo on || echo off); clusters: $(clusters && echo on || echo off))"
+needed=0
+if wants postgres; then ensure_postgres "$IDEM_POSTGRES_URL" && needed=1; fi
+if wants mysql; then ensure_mariadb "$IDEM_MYSQL_URL" && needed=1; fi
+if brokers; then
+  ensure_rabbitmq "$IDEM_AMQP_URL"
+  ensure_nats "$IDEM_NATS_URL"
+  needed=1
+else
+  echo "RabbitMQ and NATS not needed: the broker steps are SKIPPED (IDEM_BROKERS=0)"
+fi
+# Programs of the private PostgreSQL instances (the broker tests, the failover pair) and of
+# the Galera nodes.
+if wants postgres && { brokers || clusters; }; then ensure_postgres_binaries; fi
+if wants mysql && clusters; then ensure_galera_binaries; fi
+[ "$needed" = 1 ] || echo "no server needed by the selected steps"
 
 step "format"
 cargo fmt --all --check
@@ -122,6 +142,10 @@ fi
 # The consumer processes under test are the `idem` binary built above.
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
+  if ! brokers; then
+    step "idempotent consumers on RabbitMQ and NATS JetStream: $engine SKIPPED (IDEM_BROKERS=0)"
+    continue
+  fi
   step "idempotent consumers on RabbitMQ and NATS JetStream: $engine"
   cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
 done
@@ -130,12 +154,20 @@ done
 # card charge with `idem demo serve` SIGKILLed between every pair of phases and during the
 # provider call, under provider faults (bigger runs: IDEM_EXTERNAL_KEYS, default 12).
 if wants sqlite && wants postgres && wants mysql; then
-  step "transactional outbox: relays on RabbitMQ and NATS JetStream (sqlite, postgres, mysql)"
-  cargo test --locked -p idem-tests --all-features --test outbox
+  if brokers; then
+    step "transactional outbox: relays on RabbitMQ and NATS JetStream (sqlite, postgres, mysql)"
+    cargo test --locked -p idem-tests --all-features --test outbox
+  else
+    step "transactional outbox: relays on RabbitMQ and NATS JetStream SKIPPED (IDEM_BROKERS=0)"
+  fi
   step "external effects: idem demo fake-provider, serve --provider, complete (every engine)"
   cargo test --locked -p idem-cli --all-features --test orders
-  step "external effects: the card charge under SIGKILLs and provider faults (sqlite, postgres, mysql)"
-  cargo test --locked -p idem-tests --all-features --test external
+  if brokers; then
+    step "external effects: the card charge under SIGKILLs and provider faults (sqlite, postgres, mysql)"
+    cargo test --locked -p idem-tests --all-features --test external
+  else
+    step "external effects: the card charge (relayed to RabbitMQ) SKIPPED (IDEM_BROKERS=0)"
+  fi
 fi
 
 step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
@@ -143,15 +175,23 @@ for target in cockroach yugabyte citus tidb; do
   cargo test --locked -p idem-tests --all-features --test "$target"
 done
 
-if [ "${IDEM_CLUSTERS:-1}" = 1 ]; then
+if clusters; then
   # Private clusters on their own ports and temporary directories, stopped by the
-  # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly).
-  step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed"
-  ci/galera.sh run bash -c 'cargo test --locked -p idem-tests --all-features --test galera &&
-    cargo test --locked -p idem-tests --all-features --test galera_cluster'
+  # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly); each with its engine.
+  if wants mysql; then
+    step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed"
+    ci/galera.sh run bash -c 'cargo test --locked -p idem-tests --all-features --test galera &&
+      cargo test --locked -p idem-tests --all-features --test galera_cluster'
+  else
+    step "MariaDB Galera SKIPPED (mysql is not in IDEM_ENGINES)"
+  fi
   for mode in sync async; do
-    step "PostgreSQL failover, $mode replication: primary killed, standby promoted, every key retried"
-    ci/pg-failover.sh run "$mode" cargo test --locked -p idem-tests --all-features --test pg_failover
+    if wants postgres; then
+      step "PostgreSQL failover, $mode replication: primary killed, standby promoted, every key retried"
+      ci/pg-failover.sh run "$mode" cargo test --locked -p idem-tests --all-features --test pg_failover
+    else
+      step "PostgreSQL failover, $mode replication SKIPPED (postgres is not in IDEM_ENGINES)"
+    fi
   done
 else
   step "cluster tests SKIPPED (IDEM_CLUSTERS=0): Galera and PostgreSQL failover not run"
