@@ -123,6 +123,7 @@ echo "packages: $packages"
 if [ -n "${IDEM_FRESH_CACHE:-}" ]; then
   find "$IDEM_FRESH_CACHE/apt" -name '*.deb' -exec cp -n -t "$root/var/cache/apt/archives" {} +
 fi
+debs_before=$(find "$root/var/cache/apt/archives" -name '*.deb' | wc -l)
 unshare --mount --propagation private -- bash -c '
   set -e
   mount -t proc proc "$1/proc"
@@ -132,7 +133,7 @@ unshare --mount --propagation private -- bash -c '
 if [ -n "${IDEM_FRESH_CACHE:-}" ]; then
   find "$root/var/cache/apt/archives" -name '*.deb' -exec cp -n -t "$IDEM_FRESH_CACHE/apt" {} +
 fi
-echo "$(find "$root/var/cache/apt/archives" -name '*.deb' | wc -l) packages downloaded ($(du -sh "$root/var/cache/apt/archives" | cut -f1))"
+echo "$(($(find "$root/var/cache/apt/archives" -name '*.deb' | wc -l) - debs_before)) packages downloaded; $(grep -E '^Fetched' "$work/download.log" || echo "all from the cache")"
 
 step "isolated namespaces: network (loopback only), processes, mounts"
 # The first process of the new process namespace holds the namespaces and reaps orphans.
