@@ -490,7 +490,7 @@ ensure_nats() {
     show_log "$out"
     die "NATS at $host:$port answers, but JetStream does not ($info); it must run with JetStream (nats-server -js -sd DIR): stop it, and this script starts one"
   }
-  log "NATS answers at $host:$port with JetStream (account info: $(sed -E 's/.*"storage":([0-9]+).*"streams":([0-9]+).*/storage \1 bytes, \2 streams/' <<<"$info"))"
+  log "NATS answers at $host:$port with JetStream (account info: $(sed -E 's/.*"storage":([0-9]+).*"streams":([0-9]+).*/storage \1 bytes, streams: \2/' <<<"$info"))"
 }
 
 # --- run as a script -------------------------------------------------------------------------
