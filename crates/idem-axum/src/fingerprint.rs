@@ -1,5 +1,6 @@
 //! What makes two HTTP requests "the same request": method, matched route, path
-//! parameters and the canonical JSON body (the principal is the key's scope).
+//! parameters, query parameters and the canonical JSON body (the principal is the
+//! key's scope).
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, MatchedPath, RawPathParams, Request};
@@ -14,15 +15,22 @@ use crate::problem::{Problem, types};
 
 /// The parts of a request that belong to its identity, read from the head only:
 /// the method, the matched route template (`/accounts/{id}/debits`, or the path when no
-/// route matched) and the path parameters (`{"id": "1"}`).
+/// route matched), the path parameters (`{"id": "1"}`) and the query parameters.
 ///
 /// Combine it with the body through [`Fingerprint::request`]; the result is the
 /// normalized request idem stores with the key and compares on every retry:
 ///
 /// ```json
 /// {"body": {"amount": 100}, "method": "POST", "params": {"id": "1"},
-///  "route": "/accounts/{id}/debits"}
+///  "query": [["currency", "EUR"]], "route": "/accounts/{id}/debits"}
 /// ```
+///
+/// The query is decoded as HTML forms and axum's `Query` decode it (`+` is a space,
+/// `%XX` a byte, the result UTF-8), and its pairs are sorted by name; repeated names keep
+/// their order (`?tag=a&tag=b` and `?tag=b&tag=a` are two requests). A request without
+/// query parameters has no `query` member, so records stored before queries were
+/// fingerprinted still match. Leave the query out with [`Fingerprint::without_query`],
+/// or some of its parameters with [`Fingerprint::query_except`].
 ///
 /// The principal is not in it: it is part of the key's [`idem_core::Scope`], so equal
 /// keys of two principals never meet.
@@ -31,6 +39,31 @@ pub struct Fingerprint {
     method: Method,
     route: String,
     params: Map<String, Value>,
+    query: Vec<(String, String)>,
+}
+
+/// Decodes a query string into its pairs, sorted by name (stably: repeated names keep
+/// their order). `+` is a space and `%XX` a byte, as in HTML forms; empty segments are
+/// skipped and a segment without `=` has an empty value. A name or value that is not
+/// UTF-8 once decoded is refused, so two different queries never decode alike.
+fn parse_query(raw: &str) -> Result<Vec<(String, String)>, String> {
+    let decode = |part: &str| -> Result<String, String> {
+        let spaced = part.replace('+', " ");
+        percent_encoding::percent_decode_str(&spaced)
+            .decode_utf8()
+            .map(|text| text.into_owned())
+            .map_err(|_| format!("the query parameter {part:?} is not UTF-8 once percent-decoded"))
+    };
+    let mut pairs = raw
+        .split('&')
+        .filter(|segment| !segment.is_empty())
+        .map(|segment| {
+            let (name, value) = segment.split_once('=').unwrap_or((segment, ""));
+            Ok((decode(name)?, decode(value)?))
+        })
+        .collect::<Result<Vec<_>, String>>()?;
+    pairs.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok(pairs)
 }
 
 /// Which members of a JSON object body belong to the request's identity. Nested values
@@ -78,14 +111,46 @@ impl BodyFields {
 }
 
 impl Fingerprint {
-    /// A fingerprint from its parts (for handlers that build requests without the
-    /// extractor, and for tests).
+    /// A fingerprint from its parts, without query parameters (for handlers that build
+    /// requests without the extractor, and for tests; add a query with
+    /// [`Fingerprint::with_query`]).
     pub fn new(method: Method, route: impl Into<String>, params: Map<String, Value>) -> Self {
         Self {
             method,
             route: route.into(),
             params,
+            query: Vec::new(),
         }
+    }
+
+    /// This fingerprint with the query parameters of `raw` (a URI's query, without the
+    /// `?`), decoded as the extractor decodes them.
+    pub fn with_query(mut self, raw: &str) -> Result<Self, PathRejection> {
+        self.query = parse_query(raw).map_err(PathRejection)?;
+        Ok(self)
+    }
+
+    /// This fingerprint without the query: the same key with any query string is the
+    /// same request (the opt-out, for routes whose query never changes the effect).
+    #[must_use]
+    pub fn without_query(mut self) -> Self {
+        self.query.clear();
+        self
+    }
+
+    /// This fingerprint without the named query parameters (a cache buster, a tracking
+    /// tag); the others stay in the identity.
+    #[must_use]
+    pub fn query_except<I: IntoIterator<Item = S>, S: AsRef<str>>(mut self, names: I) -> Self {
+        let names: Vec<S> = names.into_iter().collect();
+        self.query
+            .retain(|(name, _)| !names.iter().any(|n| n.as_ref() == name));
+        self
+    }
+
+    /// The decoded query parameters in the identity, sorted by name.
+    pub fn query(&self) -> &[(String, String)] {
+        &self.query
     }
 
     /// The method.
@@ -99,19 +164,32 @@ impl Fingerprint {
     }
 
     /// The normalized request: this fingerprint plus the selected members of `body`.
+    /// The `query` member is present only when the fingerprint has query parameters.
     pub fn request(&self, body: &Value, fields: &BodyFields) -> IdemRequest {
-        IdemRequest::new(json!({
+        let mut request = json!({
             "method": self.method.as_str(),
             "route": self.route,
             "params": self.params,
             "body": fields.select(body),
-        }))
+        });
+        if !self.query.is_empty()
+            && let Value::Object(members) = &mut request
+        {
+            let pairs = self
+                .query
+                .iter()
+                .map(|(name, value)| json!([name, value]))
+                .collect();
+            members.insert("query".into(), Value::Array(pairs));
+        }
+        IdemRequest::new(request)
     }
 }
 
-/// The request's path could not be decoded (a path parameter that is not UTF-8).
+/// The request's path or query could not be decoded (a path parameter, or a query
+/// parameter, that is not UTF-8).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("the request path cannot be decoded: {0}")]
+#[error("the request target cannot be decoded: {0}")]
 pub struct PathRejection(String);
 
 impl IntoResponse for PathRejection {
@@ -137,10 +215,12 @@ impl<S: Send + Sync> FromRequestParts<S> for Fingerprint {
             .iter()
             .map(|(k, v)| (k.to_owned(), Value::from(v)))
             .collect();
+        let query = parse_query(parts.uri.query().unwrap_or_default()).map_err(PathRejection)?;
         Ok(Self {
             method: parts.method.clone(),
             route,
             params,
+            query,
         })
     }
 }
@@ -226,5 +306,37 @@ mod tests {
         let other = Fingerprint::new(Method::PUT, "/accounts/{id}/debits", Map::new());
         assert_ne!(other.request(&body, &BodyFields::All), all);
         assert_eq!(BodyFields::only(["a"]).select(&json!([1])), json!([1]));
+    }
+
+    #[test]
+    fn queries_are_decoded_sorted_and_optional() {
+        let fp = |q: &str| {
+            Fingerprint::new(Method::POST, "/r", Map::new())
+                .with_query(q)
+                .unwrap()
+        };
+        let body = json!({});
+        let req = |f: &Fingerprint| f.request(&body, &BodyFields::All).to_json();
+        // Sorted by name; `+`, `%20` and a literal space decode alike; `%2B` is a plus.
+        assert_eq!(req(&fp("b=2&a=x+y")), req(&fp("a=x%20y&b=2")));
+        assert_eq!(fp("a=x%2By").query(), &[("a".into(), "x+y".into())]);
+        assert_eq!(
+            req(&fp("b=2&a=1")),
+            r#"{"body":{},"method":"POST","params":{},"query":[["a","1"],["b","2"]],"route":"/r"}"#
+        );
+        // Repeated names keep their order; values and names are case-sensitive.
+        assert_ne!(req(&fp("t=a&t=b")), req(&fp("t=b&t=a")));
+        assert_ne!(req(&fp("a=1")), req(&fp("A=1")));
+        // `a`, `a=` and empty segments; no query at all leaves the member out.
+        assert_eq!(req(&fp("a")), req(&fp("&a=&")));
+        let bare = Fingerprint::new(Method::POST, "/r", Map::new());
+        assert_eq!(req(&fp("")), req(&bare));
+        assert!(!req(&bare).contains("query"));
+        // The opt-outs.
+        assert_eq!(req(&fp("a=1&b=2").without_query()), req(&bare));
+        assert_eq!(req(&fp("a=1&utm=x").query_except(["utm"])), req(&fp("a=1")));
+        // Bytes that are not UTF-8 are refused, never decoded to a replacement character.
+        let bad = Fingerprint::new(Method::POST, "/r", Map::new()).with_query("a=%FF");
+        assert!(bad.unwrap_err().to_string().contains("not UTF-8"));
     }
 }

@@ -76,6 +76,22 @@ async fn create(
     .await
 }
 
+/// Like `create`, with the query left out of the identity (the opt-out).
+async fn create_loose(
+    State(http): State<Http>,
+    Authenticated(principal): Authenticated,
+    IdempotencyKey(key): IdempotencyKey,
+    fp: Fingerprint,
+    Path(id): Path<i64>,
+    body: JsonBody,
+) -> Result<Response, HttpError<Failed>> {
+    let request = fp.without_query().request(&body.0, &BodyFields::All);
+    http.execute(&scope(principal), &key, &request, |tx| {
+        insert(tx, id, StatusCode::CREATED)
+    })
+    .await
+}
+
 async fn create_final(
     State(http): State<Http>,
     Authenticated(principal): Authenticated,
@@ -130,6 +146,7 @@ async fn app() -> (Router, Http) {
     let router = Router::new()
         .route("/items/{id}", post(create))
         .route("/final/{id}", post(create_final))
+        .route("/loose/{id}", post(create_loose))
         .route("/optional", post(optional))
         .layer(middleware::from_fn(auth))
         .with_state(http.clone());
@@ -324,4 +341,65 @@ async fn refusals_come_before_any_sql() {
         call(&router, "/optional", None, &["\"x"], "").await.0,
         StatusCode::BAD_REQUEST
     );
+}
+
+/// The query string is part of the request's identity (issue 17.8): the same key with
+/// another query is another request (422), never a replay of the first one's response.
+#[tokio::test]
+async fn the_query_string_is_part_of_the_request() {
+    let (router, http) = app().await;
+    let first = call(
+        &router,
+        "/items/1?currency=EUR",
+        Some("alice"),
+        &["q1"],
+        "{}",
+    )
+    .await;
+    assert_eq!(first.0, StatusCode::CREATED);
+    let other = call(
+        &router,
+        "/items/1?currency=USD",
+        Some("alice"),
+        &["q1"],
+        "{}",
+    )
+    .await;
+    assert_eq!(
+        (other.0, other.2["type"].clone()),
+        (
+            StatusCode::UNPROCESSABLE_ENTITY,
+            json!("urn:idem:problem:key-reused")
+        ),
+        "another query with the same key must not replay: {other:?}"
+    );
+    let none = call(&router, "/items/1", Some("alice"), &["q1"], "{}").await;
+    assert_eq!(none.0, StatusCode::UNPROCESSABLE_ENTITY, "{none:?}");
+    assert_eq!(rows(&http).await, 1);
+
+    // Order of names and the spelling of a space do not matter; the decoded pairs do.
+    let a = call(&router, "/items/2?b=2&a=x+y", Some("alice"), &["q2"], "{}").await;
+    assert_eq!(a.0, StatusCode::CREATED);
+    let b = call(
+        &router,
+        "/items/2?a=x%20y&b=2",
+        Some("alice"),
+        &["q2"],
+        "{}",
+    )
+    .await;
+    assert_eq!((b.0, &b.2), (a.0, &a.2));
+    assert!(has(&b.1, "idempotent-replayed", "true"), "{b:?}");
+    // A query that is not UTF-8 once decoded is refused before any SQL.
+    let bad = call(&router, "/items/3?a=%FF", Some("alice"), &["q3"], "{}").await;
+    assert_eq!(bad.0, StatusCode::BAD_REQUEST, "{bad:?}");
+    assert_eq!(rows(&http).await, 2);
+
+    // The opt-out: this route leaves the query out, so another query replays.
+    let first = call(&router, "/loose/4?page=1", Some("alice"), &["q4"], "{}").await;
+    assert_eq!(first.0, StatusCode::CREATED);
+    let again = call(&router, "/loose/4?page=2", Some("alice"), &["q4"], "{}").await;
+    assert_eq!((again.0, &again.2), (first.0, &first.2));
+    assert!(has(&again.1, "idempotent-replayed", "true"), "{again:?}");
+    assert_eq!(rows(&http).await, 3);
 }
