@@ -4,11 +4,27 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::sync::Arc;
 
-use axum::http::HeaderName;
+use std::time::Duration;
+
+use axum::http::{HeaderName, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use idem_core::{Backend, BoxFuture, Error, Idem, Key, Outcome, Request, Scope};
 
 use crate::response::{DEFAULT_STORED_HEADERS, HttpError, JsonResponse};
+
+/// `Idempotency-Key-Retention`, idem's own response header (not part of the IETF draft,
+/// which asks servers to publish their expiry policy in their documentation): how many
+/// seconds the key is remembered after the request that first used it, as whole
+/// seconds (delta-seconds, like `Retry-After`). Sent on first answers and on replays when
+/// [`HttpIdem::advertise_retention`] is on.
+pub const IDEMPOTENCY_KEY_RETENTION: HeaderName =
+    HeaderName::from_static("idempotency-key-retention");
+
+/// The header value of a retention: whole seconds, rounded down, at least 1 (idem
+/// refuses retentions under one second).
+pub fn retention_seconds(retention: Duration) -> u64 {
+    retention.as_secs().max(1)
+}
 
 /// [`Idem`] for HTTP handlers: the effect returns a [`JsonResponse`], which is stored with
 /// the key in the effect's transaction (status, allow-listed headers, body) and replayed
@@ -20,6 +36,7 @@ use crate::response::{DEFAULT_STORED_HEADERS, HttpError, JsonResponse};
 pub struct HttpIdem<B> {
     idem: Idem<B>,
     stored_headers: Arc<[HeaderName]>,
+    advertise_retention: bool,
 }
 
 impl<B: Clone> Clone for HttpIdem<B> {
@@ -27,8 +44,20 @@ impl<B: Clone> Clone for HttpIdem<B> {
         Self {
             idem: self.idem.clone(),
             stored_headers: Arc::clone(&self.stored_headers),
+            advertise_retention: self.advertise_retention,
         }
     }
+}
+
+/// Adds `Idempotency-Key-Retention` to an answer of `scope`'s operation when asked to.
+fn advertised(mut response: Response, scope: &Scope, on: bool) -> Response {
+    if on {
+        let seconds = retention_seconds(scope.operation.retention());
+        response
+            .headers_mut()
+            .insert(IDEMPOTENCY_KEY_RETENTION, HeaderValue::from(seconds));
+    }
+    response
 }
 
 /// The effect's error, or a 5xx response that must roll back and not be stored.
@@ -99,7 +128,29 @@ impl<B: Backend> HttpIdem<B> {
         Self {
             idem,
             stored_headers: Arc::from(DEFAULT_STORED_HEADERS.to_vec()),
+            advertise_retention: false,
         }
+    }
+
+    /// Sends [`IDEMPOTENCY_KEY_RETENTION`] (`Idempotency-Key-Retention: 86400`) with
+    /// every answer [`HttpIdem::execute`] and [`HttpIdem::execute_final`] give from the
+    /// effect or from the stored record: the first answer and every replay. The value is
+    /// the operation's retention ([`idem_core::Operation::with_retention`], 24 hours by
+    /// default) in whole seconds: how long, after the request that first used the key,
+    /// a retry with it still gets this answer. It is added when the answer is sent, never
+    /// stored, so a replay states the current policy. Errors idem answers itself (400,
+    /// 409, 422, 503) and 5xx answers of the effect do not carry it. Off by default:
+    /// the header is idem's own name (see `docs/http.md`). Describe it in an OpenAPI
+    /// document with [`crate::openapi::advertise_retention`].
+    #[must_use]
+    pub fn advertise_retention(mut self, on: bool) -> Self {
+        self.advertise_retention = on;
+        self
+    }
+
+    /// Whether answers carry [`IDEMPOTENCY_KEY_RETENTION`].
+    pub fn advertises_retention(&self) -> bool {
+        self.advertise_retention
     }
 
     /// Adds a header to the allow-list of headers stored and replayed with a response.
@@ -152,12 +203,13 @@ impl<B: Backend> HttpIdem<B> {
                 Box::pin(async move { keep(fut.await, &allowed) })
             })
             .await;
+        let on = self.advertise_retention;
         match out {
-            Ok(Outcome::Executed(r)) => Ok(r.into_response()),
-            Ok(Outcome::Replayed(r)) => Ok(r.replayed()),
+            Ok(Outcome::Executed(r)) => Ok(advertised(r.into_response(), scope, on)),
+            Ok(Outcome::Replayed(r)) => Ok(advertised(r.replayed(), scope, on)),
             // A rejection stored by `execute_final` under the same key and request.
             Err(Error::StoredRejection(v)) => serde_json::from_value::<JsonResponse>(v)
-                .map(JsonResponse::replayed)
+                .map(|r| advertised(r.replayed(), scope, on))
                 .map_err(|e| HttpError(Error::Decode(e))),
             Err(e) => answer(e),
         }
@@ -197,9 +249,10 @@ impl<B: Backend> HttpIdem<B> {
                 })
             })
             .await;
+        let on = self.advertise_retention;
         match out {
-            Ok(Outcome::Executed(Ok(r) | Err(r))) => Ok(r.into_response()),
-            Ok(Outcome::Replayed(Ok(r) | Err(r))) => Ok(r.replayed()),
+            Ok(Outcome::Executed(Ok(r) | Err(r))) => Ok(advertised(r.into_response(), scope, on)),
+            Ok(Outcome::Replayed(Ok(r) | Err(r))) => Ok(advertised(r.replayed(), scope, on)),
             Err(e) => answer(e),
         }
     }

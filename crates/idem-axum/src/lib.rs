@@ -10,15 +10,18 @@
 //!   missing, repeated, empty, too long or malformed → 400 before any SQL.
 //! - [`Authenticated`] takes the principal that authentication put in the request
 //!   extensions (never a client header or the body); it scopes the key.
-//! - [`Fingerprint`] (method, matched route, path parameters) and [`JsonBody`] (the
-//!   canonical JSON body, with [`BodyFields`] to include or exclude members) make the
-//!   normalized request that a retry must repeat.
+//! - [`Fingerprint`] (method, matched route, path parameters, query parameters) and
+//!   [`JsonBody`] (the canonical JSON body, with [`BodyFields`] to include or exclude
+//!   members) make the normalized request that a retry must repeat.
 //! - [`HttpIdem::execute`] runs the effect through `Idem::execute` in the engine's
 //!   transaction and stores the [`JsonResponse`] (status, allow-listed headers, body);
 //!   a replay returns it with `Idempotent-Replayed: true`. 5xx responses are never stored.
 //! - [`HttpError`] maps the protocol's errors to RFC 9457 problems: key reused → 422,
 //!   still in flight after the wait bound → 409 with `Retry-After`, retries exhausted or
 //!   connection lost → 503 with `Retry-After`; the effect's own errors answer themselves.
+//! - [`HttpIdem::advertise_retention`] and [`openapi::advertise_retention`] tell clients
+//!   how long a key is remembered (`Idempotency-Key-Retention`, and the OpenAPI
+//!   extension `x-idempotency-key-retention`).
 //!
 //! ```
 //! use axum::{Router, extract::State, http::StatusCode, routing::post};
@@ -59,11 +62,12 @@
 mod execute;
 mod fingerprint;
 mod key;
+pub mod openapi;
 mod principal;
 pub mod problem;
 mod response;
 
-pub use execute::HttpIdem;
+pub use execute::{HttpIdem, IDEMPOTENCY_KEY_RETENTION, retention_seconds};
 pub use fingerprint::{BodyFields, BodyRejection, Fingerprint, JsonBody, PathRejection};
 pub use key::{IDEMPOTENCY_KEY, IdempotencyKey, KeyRejection, key_from_headers, parse_key};
 pub use principal::{Authenticated, Unauthenticated};
