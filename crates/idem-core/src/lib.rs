@@ -18,6 +18,7 @@ pub mod claim;
 mod effect;
 mod error;
 mod ident;
+pub mod maintain;
 mod migrate;
 pub mod observe;
 pub mod outbox;
