@@ -154,6 +154,7 @@
 //! call, a transport error) it is closed and the server rolls back.
 
 pub mod error_codes;
+pub mod leader;
 mod options;
 mod pool;
 mod runs;
@@ -175,6 +176,7 @@ use tiberius::error::Error as TdsError;
 
 pub use error_codes::db_error;
 use error_codes::db_error_in;
+pub use leader::{MssqlHeld, MssqlLeaderLock};
 pub use options::{
     DEFAULT_ACQUIRE_TIMEOUT, DEFAULT_CONNECT_TIMEOUT, DEFAULT_MAX_CONNECTIONS, Isolation,
     MssqlOptions, redact_url,

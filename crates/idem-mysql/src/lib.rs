@@ -155,6 +155,7 @@
 
 pub mod error_codes;
 pub mod galera;
+pub mod leader;
 mod runs;
 mod sql;
 
@@ -179,6 +180,7 @@ use mysql_async::{
 };
 
 pub use error_codes::db_error;
+pub use leader::{MysqlHeld, MysqlLeaderLock};
 
 /// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[

@@ -106,6 +106,7 @@
 //! ```
 
 pub mod error_codes;
+pub mod leader;
 mod options;
 mod runs;
 mod sql;
@@ -126,6 +127,7 @@ use oracle::sql_type::OracleType;
 use oracle::{Connection, Connector};
 
 pub use error_codes::db_error;
+pub use leader::{OracleHeld, OracleLeaderLock};
 pub use options::{ConnectOptions, DEFAULT_MAX_CONNECTIONS, DEFAULT_PORT, MAX_CONNECTIONS_LIMIT};
 
 /// The migrations embedded from this crate's `migrations/` directory.

@@ -53,6 +53,7 @@
 //! same [`PgTx`] as effects.
 
 pub mod error_codes;
+pub mod leader;
 mod runs;
 mod sql;
 
@@ -71,6 +72,7 @@ use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, Row};
 
 pub use error_codes::db_error;
+pub use leader::{PgHeld, PgLeaderLock};
 
 /// The transaction handed to effects.
 pub type PgTx = sqlx::Transaction<'static, Postgres>;

@@ -68,6 +68,7 @@
 //! ```
 
 pub mod error_codes;
+pub mod leader;
 mod runs;
 mod sql;
 
@@ -88,6 +89,7 @@ pub use rusqlite;
 use rusqlite::{Connection, OptionalExtension, params};
 
 pub use error_codes::db_error;
+pub use leader::{SqliteHeld, SqliteLeaderLock};
 
 /// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
