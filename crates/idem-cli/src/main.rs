@@ -62,6 +62,7 @@ mod demo;
 #[cfg(all(test, feature = "full"))]
 mod doc_commands;
 mod fail;
+mod maintain;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod relay;
 
@@ -195,6 +196,11 @@ enum Command {
         #[arg(long, value_parser = clap::value_parser!(u64).range(1..=100_000_000))]
         growth: Option<u64>,
     },
+    /// Purge, relay and report stalled runs on a schedule, by one elected instance at a
+    /// time: run it on every instance; the one holding the database's maintenance lock
+    /// does the work, the others take over within one --interval when it dies.
+    #[command(after_long_help = maintain::MAINTAIN_HELP)]
+    Maintain(maintain::MaintainArgs),
     /// Generate the engine comparison (docs/engines.md) from `idem check --json` reports.
     Docs {
         /// Report files written by `idem check --json`.
@@ -290,6 +296,10 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 #[allow(unreachable_patterns)]
                 other => Err(Fail::from(other.not_compiled())),
             }
+        }
+        Command::Maintain(args) => {
+            let url = explicit_url(url, "maintain")?;
+            with_bank!(url, K => maintain::run::<K>(url, args).await)
         }
         Command::Docs { reports, out } => commands::docs(&reports, out.as_deref()),
         Command::Demo(args) => demo::run(url, args).await,

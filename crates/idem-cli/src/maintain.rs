@@ -1,0 +1,574 @@
+//! `idem maintain`: the maintenance loop ([`idem::core::maintain::Maintainer`]) as an
+//! operator command. Run it on every instance; one at a time holds the database's
+//! maintenance lock, reports stalled runs, relays and purges; the others stand by and
+//! take over within one interval when it dies. It knows no operation's step, so it
+//! drives no stalled run: a service that does embeds the loop with its steps.
+
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::Args;
+use idem::core::maintain::{
+    self, Completion, DEFAULT_LOCK_NAME, Event, LeaderLock, Maintainer, Purge, Relay, TickReport,
+};
+use idem::core::runs::OutboxRow;
+use idem::{Backend, DbError, Idem, Maintenance, OutboxStore, Publisher};
+use idem_conformance::Bank;
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+
+use crate::commands::parse_duration;
+use crate::fail::{self, Fail, connect_within};
+
+/// What `idem maintain --help` shows after the options.
+pub(crate) const MAINTAIN_HELP: &str = "\
+ONE RUNNER PER DATABASE:
+  Start `idem maintain` on every instance (or on two hosts for failover). On each tick
+  an instance that is not the runner tries the database's maintenance lock without
+  waiting: PostgreSQL pg_try_advisory_lock, MySQL/MariaDB GET_LOCK, SQL Server
+  sp_getapplock, Oracle DBMS_LOCK, SQLite an exclusive lock on the file
+  <database>.<lock name>.lock. The lock lives on a session of its own and ends with it,
+  so when the runner dies (even killed with SIGKILL) another instance takes over within
+  one --interval. Instances elect one runner per --lock-name and schema/database.
+
+WHAT THE RUNNER DOES ON EACH TICK (checking before each task that it still holds the
+lock, and stopping at once if it does not):
+  complete  lists stalled phased runs (their owner's lease ended before a final answer)
+            and reports them by operation. This command knows no operation's step, so it
+            never takes a run over, releases it or fails it: a client's retry with the
+            same key resumes it, or a maintenance loop built into your service with the
+            operation's step (idem::core::maintain::Completion) finishes it.
+  relay     with --amqp or --nats: up to --relay-passes passes of --relay-batch outbox
+            messages (as `idem relay`), in order per destination, at least once.
+  purge     up to --purge-batches delete statements of --purge-batch rows, over the
+            request, message, run and sent-outbox tables (as `idem purge`).
+
+OUTPUT:
+  One line per event on stdout: becoming the runner, each runner tick that did work or
+  met a problem, a lost lock, shutdown. With --json, one JSON object per line for every event, standby ticks
+  included: {\"event\": \"acquired\" | \"tick\" | \"lost\" | \"releasing\" | \"lock_error\" |
+  \"stopped\", \"at_ms\": Unix milliseconds, \"pid\": …, …}.
+  SIGINT or SIGTERM: the task in hand finishes, the lock is released, exit 0.
+  --ticks N stops after N ticks (N = 1: one elected pass, for a scheduler).";
+
+/// The options of `idem maintain`.
+#[derive(Debug, Args)]
+pub(crate) struct MaintainArgs {
+    /// The pause between ticks; a standby tries the lock once per tick, so it also bounds
+    /// the takeover after the runner dies (for example 10s, 500ms).
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    interval: Duration,
+    /// How much of the interval each pause may be shortened by at random, 0 to 1.
+    #[arg(long, default_value_t = maintain::DEFAULT_JITTER, value_parser = parse_fraction)]
+    jitter: f64,
+    /// The lock's name: instances with the same name on the same schema or database elect
+    /// one runner (1 to 64 characters of A-Z, a-z, 0-9, '.', '_' or '-').
+    #[arg(long, default_value = DEFAULT_LOCK_NAME)]
+    lock_name: String,
+    /// The bound on one lock operation; a runner whose check takes longer stops working.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    lock_timeout: Duration,
+    /// Stop after this many ticks (default: until SIGINT or SIGTERM).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    ticks: Option<u64>,
+    /// One JSON object per event on stdout, standby ticks included.
+    #[arg(long)]
+    json: bool,
+
+    /// Do not purge.
+    #[arg(long)]
+    no_purge: bool,
+    /// Also keep records written less than this long ago, expired or not.
+    #[arg(long, value_parser = parse_duration)]
+    older_than: Option<Duration>,
+    /// Rows per delete statement.
+    #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u32).range(1..))]
+    purge_batch: u32,
+    /// Delete statements per tick.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    purge_batches: u32,
+
+    /// Relay the outbox to RabbitMQ (amqp://user:pass@host:5672/vhost), as `idem relay`.
+    #[arg(long, value_name = "URL", conflicts_with = "nats")]
+    amqp: Option<String>,
+    /// RabbitMQ: publish to this existing exchange instead of the default one.
+    #[arg(long, value_name = "NAME", requires = "amqp")]
+    exchange: Option<String>,
+    /// Relay the outbox to NATS JetStream (nats://host:4222), as `idem relay`.
+    #[arg(long, value_name = "URL")]
+    nats: Option<String>,
+    /// NATS: the stream that captures destinations no stream captures yet.
+    #[arg(long, value_name = "NAME", default_value = "IDEM_OUTBOX")]
+    stream: String,
+    /// Messages per relay pass.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    relay_batch: u32,
+    /// Relay passes per tick.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..))]
+    relay_passes: u32,
+
+    /// Do not look for stalled runs.
+    #[arg(long)]
+    no_complete: bool,
+}
+
+fn parse_fraction(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if (0.0..=1.0).contains(&f) => Ok(f),
+        _ => Err(format!("{s:?} is not a number from 0 to 1")),
+    }
+}
+
+/// A backend whose engine has a maintenance lock.
+pub(crate) trait Elect: Backend + Maintenance + OutboxStore + Clone {
+    /// The engine's lock.
+    type Lock: LeaderLock + 'static;
+    /// The lock named `name` for this backend's database.
+    fn lock(&self, name: &str) -> Result<Self::Lock, DbError>;
+}
+
+#[cfg(feature = "sqlite")]
+impl Elect for idem::sqlite::SqliteBackend {
+    type Lock = idem::sqlite::SqliteLeaderLock;
+    fn lock(&self, name: &str) -> Result<Self::Lock, DbError> {
+        self.leader_lock(name)
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Elect for idem::postgres::PgBackend {
+    type Lock = idem::postgres::PgLeaderLock;
+    fn lock(&self, name: &str) -> Result<Self::Lock, DbError> {
+        self.leader_lock(name)
+    }
+}
+
+#[cfg(feature = "mysql")]
+impl Elect for idem::mysql::MysqlBackend {
+    type Lock = idem::mysql::MysqlLeaderLock;
+    fn lock(&self, name: &str) -> Result<Self::Lock, DbError> {
+        self.leader_lock(name)
+    }
+}
+
+#[cfg(feature = "mssql")]
+impl Elect for idem::mssql::MssqlBackend {
+    type Lock = idem::mssql::MssqlLeaderLock;
+    fn lock(&self, name: &str) -> Result<Self::Lock, DbError> {
+        self.leader_lock(name)
+    }
+}
+
+#[cfg(feature = "oracle")]
+impl Elect for idem::oracle::OracleBackend {
+    type Lock = idem::oracle::OracleLeaderLock;
+    fn lock(&self, name: &str) -> Result<Self::Lock, DbError> {
+        self.leader_lock(name)
+    }
+}
+
+/// Where the relay publishes.
+#[derive(Debug, Clone)]
+enum Broker {
+    #[cfg(feature = "amqp")]
+    Amqp {
+        url: String,
+        exchange: Option<String>,
+    },
+    #[cfg(feature = "nats")]
+    Nats { url: String, stream: String },
+}
+
+#[cfg(any(feature = "amqp", feature = "nats"))]
+#[derive(Debug)]
+enum Connected {
+    #[cfg(feature = "amqp")]
+    Amqp(idem::consumer::amqp::AmqpPublisher),
+    #[cfg(feature = "nats")]
+    Nats(idem::consumer::nats::NatsPublisher),
+}
+
+/// A publisher that connects on first use and again after a failure (the broker
+/// restarted), so the loop keeps relaying without restarting the command.
+#[cfg(any(feature = "amqp", feature = "nats"))]
+#[derive(Debug)]
+struct BrokerPublisher {
+    broker: Broker,
+    connected: tokio::sync::Mutex<Option<Connected>>,
+}
+
+#[cfg(any(feature = "amqp", feature = "nats"))]
+impl BrokerPublisher {
+    async fn connect(&self) -> Result<Connected, idem::consumer::PublishError> {
+        use idem::consumer::PublishError;
+        let connecting = async {
+            match &self.broker {
+                #[cfg(feature = "amqp")]
+                Broker::Amqp { url, exchange } => {
+                    let p = idem::consumer::amqp::AmqpPublisher::connect(url).await?;
+                    let p = match exchange {
+                        Some(x) => p.to_exchange(x).await?,
+                        None => p,
+                    };
+                    Ok(Connected::Amqp(p))
+                }
+                #[cfg(feature = "nats")]
+                Broker::Nats { url, stream } => Ok(Connected::Nats(
+                    idem::consumer::nats::NatsPublisher::connect(url, stream).await?,
+                )),
+            }
+        };
+        match tokio::time::timeout(fail::CONNECT_TIMEOUT, connecting).await {
+            Ok(connected) => connected,
+            Err(_) => Err(PublishError::Config(format!(
+                "no answer from the broker within {} s",
+                fail::CONNECT_TIMEOUT.as_secs()
+            ))),
+        }
+    }
+}
+
+#[cfg(any(feature = "amqp", feature = "nats"))]
+impl Publisher for BrokerPublisher {
+    type Error = idem::consumer::PublishError;
+
+    async fn publish(&self, message: &OutboxRow) -> Result<(), Self::Error> {
+        let mut slot = self.connected.lock().await;
+        if slot.is_none() {
+            *slot = Some(self.connect().await?);
+        }
+        let published = match slot.as_ref() {
+            #[cfg(feature = "amqp")]
+            Some(Connected::Amqp(p)) => p.publish(message).await,
+            #[cfg(feature = "nats")]
+            Some(Connected::Nats(p)) => p.publish(message).await,
+            None => return Ok(()),
+        };
+        if published.is_err() {
+            // The connection may be gone: the next message connects afresh.
+            if let Some(old) = slot.take() {
+                let _ = match old {
+                    #[cfg(feature = "amqp")]
+                    Connected::Amqp(p) => p.close().await,
+                    #[cfg(feature = "nats")]
+                    Connected::Nats(p) => p.close().await,
+                };
+            }
+        }
+        published
+    }
+}
+
+fn broker(args: &MaintainArgs) -> Result<Option<Broker>, Fail> {
+    let unbuilt = |feature: &str| {
+        Fail::new(
+            fail::INVALID_INPUT,
+            format!("this idem was built without the `{feature}` feature"),
+        )
+    };
+    if let Some(url) = &args.amqp {
+        #[cfg(feature = "amqp")]
+        return Ok(Some(Broker::Amqp {
+            url: url.clone(),
+            exchange: args.exchange.clone(),
+        }));
+        #[cfg(not(feature = "amqp"))]
+        {
+            let _ = url;
+            return Err(unbuilt("amqp"));
+        }
+    }
+    if let Some(url) = &args.nats {
+        #[cfg(feature = "nats")]
+        return Ok(Some(Broker::Nats {
+            url: url.clone(),
+            stream: args.stream.clone(),
+        }));
+        #[cfg(not(feature = "nats"))]
+        {
+            let _ = url;
+            return Err(unbuilt("nats"));
+        }
+    }
+    let _ = unbuilt;
+    Ok(None)
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A tick as one JSON object.
+fn tick_json(t: &TickReport) -> Value {
+    let tasks: Vec<Value> = t
+        .tasks
+        .iter()
+        .map(|task| {
+            let counts: serde_json::Map<String, Value> = task
+                .work
+                .counts
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), Value::from(*v)))
+                .collect();
+            json!({
+                "task": task.name,
+                "done": task.work.done,
+                "more": task.work.more,
+                "counts": counts,
+                "problems": task.work.problems,
+                "error": task.error,
+                "ms": u64::try_from(task.took.as_millis()).unwrap_or(u64::MAX),
+            })
+        })
+        .collect();
+    json!({
+        "event": "tick",
+        "tick": t.number,
+        "runner": t.runner,
+        "tasks": tasks,
+        "skipped": t.skipped,
+    })
+}
+
+/// A runner tick as one line of text.
+fn tick_text(t: &TickReport) -> String {
+    let mut parts = Vec::new();
+    for task in &t.tasks {
+        let mut part = format!("{}: ", task.name);
+        if let Some(e) = &task.error {
+            part.push_str(&format!("failed: {e}"));
+        } else {
+            let counts: Vec<String> = task
+                .work
+                .counts
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect();
+            part.push_str(&counts.join(", "));
+            if task.work.more {
+                part.push_str(" (more left)");
+            }
+        }
+        parts.push(part);
+    }
+    let mut line = format!("tick {} (runner): {}", t.number, parts.join("; "));
+    if t.skipped > 0 {
+        line.push_str(&format!("; {} task(s) skipped", t.skipped));
+    }
+    for task in &t.tasks {
+        for p in &task.work.problems {
+            line.push_str(&format!("\n  {}: {p}", task.name));
+        }
+    }
+    line
+}
+
+/// Prints events; counts ticks for `--ticks`.
+fn printer(
+    json_lines: bool,
+    stop_after: Option<u64>,
+    done: Arc<Notify>,
+) -> impl FnMut(&Event<'_>) + Send {
+    let pid = std::process::id();
+    let mut ticks = 0u64;
+    move |event| {
+        let at_ms = now_ms();
+        let (object, text): (Value, Option<String>) = match event {
+            Event::Acquired => (
+                json!({"event": "acquired"}),
+                Some("maintain: this instance is now the runner".to_owned()),
+            ),
+            Event::Lost { reason } => (
+                json!({"event": "lost", "reason": reason}),
+                Some(format!(
+                    "maintain: the lock was lost ({reason}); standing by"
+                )),
+            ),
+            Event::Releasing => (
+                json!({"event": "releasing"}),
+                Some("maintain: stopping; releasing the lock".to_owned()),
+            ),
+            Event::LockError { error } => (
+                json!({"event": "lock_error", "error": error.to_string()}),
+                Some(format!("maintain: the lock could not be tried: {error}")),
+            ),
+            Event::Tick(t) => {
+                ticks += 1;
+                // Text mode stays quiet on a runner's idle ticks.
+                let busy = t.skipped > 0
+                    || t.tasks.iter().any(|task| {
+                        task.work.done > 0 || task.error.is_some() || !task.work.problems.is_empty()
+                    });
+                let text = (t.runner && busy).then(|| tick_text(t));
+                (tick_json(t), text)
+            }
+            _ => (json!({"event": "other"}), None),
+        };
+        if json_lines {
+            let mut object = object;
+            if let Value::Object(m) = &mut object {
+                m.insert("at_ms".into(), Value::from(at_ms));
+                m.insert("pid".into(), Value::from(pid));
+            }
+            println!("{object}");
+        } else if let Some(text) = text {
+            println!("{text}");
+        }
+        if stop_after.is_some_and(|n| ticks >= n) {
+            done.notify_one();
+        }
+    }
+}
+
+/// Completes on SIGTERM, SIGINT or after `--ticks`.
+async fn shutdown(done: Arc<Notify>) -> Result<impl std::future::Future<Output = ()>, Fail> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())
+        .map_err(|e| Fail::new(fail::OTHER, format!("cannot handle SIGTERM: {e}")))?;
+    let mut int = signal(SignalKind::interrupt())
+        .map_err(|e| Fail::new(fail::OTHER, format!("cannot handle SIGINT: {e}")))?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+            () = done.notified() => {}
+        }
+    })
+}
+
+pub(crate) async fn run<K: Bank>(url: &str, args: MaintainArgs) -> Result<(), Fail>
+where
+    K::B: Elect,
+{
+    let broker = broker(&args)?;
+    let bank = connect_within(url, K::connect(url, None)).await?;
+    let backend = bank.backend().clone();
+    let lock = backend.lock(&args.lock_name).map_err(|e| {
+        Fail::new(
+            if e.kind() == idem::ErrorKind::Configuration {
+                fail::INVALID_INPUT
+            } else {
+                fail::code_of(&e)
+            },
+            e.to_string(),
+        )
+    })?;
+    let idem = Idem::new(backend);
+    let done = Arc::new(Notify::new());
+    let stop = shutdown(Arc::clone(&done)).await?;
+    let mut maintainer = Maintainer::new(idem, lock)
+        .with_interval(args.interval)
+        .with_jitter(args.jitter)
+        .with_lock_timeout(args.lock_timeout);
+    let mut plan = Vec::new();
+    if !args.no_complete {
+        // No step: stalled runs are listed and reported, never touched.
+        maintainer = maintainer.with_task(Completion::new());
+        plan.push("report stalled runs (none is touched)".to_owned());
+    }
+    #[cfg(any(feature = "amqp", feature = "nats"))]
+    if let Some(broker) = broker.clone() {
+        let publisher = BrokerPublisher {
+            broker,
+            connected: tokio::sync::Mutex::new(None),
+        };
+        maintainer = maintainer.with_task(
+            Relay::new(publisher)
+                .batch(args.relay_batch)
+                .passes(args.relay_passes),
+        );
+        plan.push("relay".to_owned());
+    }
+    #[cfg(not(any(feature = "amqp", feature = "nats")))]
+    let _ = &broker;
+    if !args.no_purge {
+        maintainer = maintainer.with_task(
+            Purge::new()
+                .older_than(args.older_than.unwrap_or_default())
+                .batch(args.purge_batch)
+                .max_batches(args.purge_batches),
+        );
+        plan.push("purge".to_owned());
+    }
+    if !args.json {
+        println!(
+            "maintain: lock {:?} on {}, every {:?}: {}",
+            args.lock_name,
+            idem::redact(url),
+            args.interval,
+            if plan.is_empty() {
+                "nothing to do".to_owned()
+            } else {
+                plan.join("; ")
+            }
+        );
+    }
+    let maintainer = maintainer.on_event(printer(args.json, args.ticks, done));
+    let ran = maintainer.run(stop).await;
+    let closed = bank.close().await;
+    if args.json {
+        println!(
+            "{}",
+            json!({
+                "event": "stopped",
+                "ticks": ran.ticks,
+                "runner_ticks": ran.runner_ticks,
+                "acquired": ran.acquired,
+                "lost": ran.lost,
+                "at_ms": now_ms(),
+                "pid": std::process::id(),
+            })
+        );
+    } else {
+        println!(
+            "maintain: stopped after {} tick(s), {} as the runner",
+            ran.ticks, ran.runner_ticks
+        );
+    }
+    closed.map_err(Fail::from)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use idem::core::maintain::{TaskReport, Work};
+
+    #[test]
+    fn fractions_are_checked() {
+        assert_eq!(parse_fraction("0.25"), Ok(0.25));
+        assert!(parse_fraction("1.5").is_err());
+        assert!(parse_fraction("-0.1").is_err());
+        assert!(parse_fraction("x").is_err());
+    }
+
+    #[test]
+    fn ticks_print_as_text_and_json() {
+        let t = TickReport {
+            number: 3,
+            runner: true,
+            tasks: vec![TaskReport {
+                name: "purge",
+                work: Work {
+                    done: 5,
+                    more: true,
+                    counts: vec![("requests", 5), ("messages", 0)],
+                    problems: vec!["p".into()],
+                },
+                error: None,
+                took: Duration::from_millis(7),
+            }],
+            skipped: 1,
+        };
+        assert_eq!(
+            tick_text(&t),
+            "tick 3 (runner): purge: requests 5, messages 0 (more left); 1 task(s) skipped\n  purge: p"
+        );
+        let v = tick_json(&t);
+        assert_eq!(v["runner"], true);
+        assert_eq!(v["tasks"][0]["counts"]["requests"], 5);
+        assert_eq!(v["tasks"][0]["ms"], 7);
+    }
+}
