@@ -155,6 +155,11 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
             promise: "outbox relays publish each committed message once, in order per destination",
             run: |k| Box::pin(external::outbox_drains_in_order_skipping_locked(k)),
         },
+        Case {
+            name: "completion_drives_known_operations_only",
+            promise: "maintenance completes stalled runs it has a step for, and touches no other",
+            run: |k| Box::pin(crate::maintain::completion_drives_known_operations_only(k)),
+        },
     ]
 }
 

@@ -10,6 +10,7 @@ pub mod cases;
 pub mod docs;
 pub mod external;
 pub mod harness;
+pub mod maintain;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;
