@@ -1,6 +1,7 @@
 //! Spans and metrics of real calls on SQLite: every documented metric name and label is
 //! recorded through a test recorder with the values the calls imply, and no span or event
-//! ever carries the key, the request or the response.
+//! ever carries the key, the request or the response. The same for one tick of the
+//! maintenance loop (completer, purge, the lock): `idem_maintain_*` and `idem_complete_*`.
 
 #![allow(clippy::unwrap_used)]
 
@@ -150,6 +151,10 @@ fn pairs(list: &[(&str, &str)]) -> Vec<(String, String)> {
 fn spans_and_metrics_of_real_calls() {
     spans_carry_the_call_but_never_the_key_or_the_request();
     metrics_are_recorded_with_their_documented_names_and_labels();
+    // The maintenance loop's and the completer's signals, on the same thread for the
+    // same reason.
+    maintenance::metrics_are_recorded();
+    maintenance::spans_are_recorded();
 }
 
 fn metrics_are_recorded_with_their_documented_names_and_labels() {
@@ -349,4 +354,230 @@ fn spans_carry_the_call_but_never_the_key_or_the_request() {
         .filter(|l| l.contains("call=\"consume\"") && l.contains("principal=\"ledger\""))
         .count();
     assert_eq!(consume, 2, "{text}");
+}
+
+// ---------------------------------------------------------------------------------------
+// The maintenance loop and the completer (names in `idem::core::maintain::signals`).
+
+mod maintenance {
+    use super::*;
+    use idem::core::maintain::{Completion, Event, Maintainer, Purge, signals};
+    use idem::{Run, Started};
+
+    type Step = fn(&mut Run<SqliteBackend>) -> BoxFuture<'_, Result<(), Error<Refused>>>;
+
+    fn finish(run: &mut Run<SqliteBackend>) -> BoxFuture<'_, Result<(), Error<Refused>>> {
+        Box::pin(async move {
+            run.finish(|_tx| Box::pin(async { Ok::<_, Refused>(json!({"done": true})) }))
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn void(run: &mut Run<SqliteBackend>) -> BoxFuture<'_, Result<(), Error<Refused>>> {
+        Box::pin(async move {
+            run.fail(|_tx| Box::pin(async { Ok::<_, Refused>(json!({"void": true})) }))
+                .await?;
+            Ok(())
+        })
+    }
+
+    fn refuse(_: &mut Run<SqliteBackend>) -> BoxFuture<'_, Result<(), Error<Refused>>> {
+        Box::pin(async { Err(Error::Effect(Refused)) })
+    }
+
+    /// One tick of a runner over: runs of `done:v1`, `void:v1` and `stuck:v1` (steps that
+    /// succeed, fail, and cannot move), one of `ghost:v1` (no step), and an expired record.
+    async fn one_tick() {
+        let idem = backend().await.with_lease(Duration::from_millis(200));
+        for (operation, key) in [
+            ("done:v1", "secret-stalled-key-1"),
+            ("void:v1", "secret-stalled-key-2"),
+            ("stuck:v1", "secret-stalled-key-3"),
+            ("ghost:v1", "secret-stalled-key-4"),
+        ] {
+            let scope = Scope::new(
+                Principal::new("account-1").unwrap(),
+                operation.parse().unwrap(),
+            );
+            let key = Key::new(key).unwrap();
+            let request = Request::new(json!({"note": "secret-request-QQ7"}));
+            let started = idem.start::<Refused>(&scope, &key, &request).await;
+            assert!(matches!(started, Ok(Started::Run(_))), "{started:?}");
+        }
+        let short = Scope::new(
+            Principal::new("account-1").unwrap(),
+            Operation::new("debit", 1)
+                .unwrap()
+                .with_retention(Duration::from_secs(1)),
+        );
+        let first = idem
+            .execute(
+                &short,
+                &Key::new("k-expiring").unwrap(),
+                &Request::new(json!({})),
+                insert_effect,
+            )
+            .await;
+        assert!(matches!(first, Ok(Outcome::Executed(_))), "{first:?}");
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+
+        let steps: [(&str, Step); 3] =
+            [("done:v1", finish), ("void:v1", void), ("stuck:v1", refuse)];
+        let mut completion = Completion::new();
+        for (operation, step) in steps {
+            completion = completion.step(&operation.parse().unwrap(), step);
+        }
+        let lock = idem.backend().leader_lock("idem-maintain").unwrap();
+        let (ticked, stop) = tokio::sync::oneshot::channel::<()>();
+        let mut ticked = Some(ticked);
+        let summary = Maintainer::new(idem, lock)
+            .with_task(completion)
+            .with_task(Purge::new())
+            .on_event(move |e| {
+                if let Event::Tick(t) = e {
+                    assert!(t.runner && t.skipped == 0, "{t:?}");
+                    assert!(t.tasks.iter().all(|task| task.error.is_none()), "{t:?}");
+                    if let Some(tx) = ticked.take() {
+                        let _ = tx.send(());
+                    }
+                }
+            })
+            .run(async {
+                let _ = stop.await;
+            })
+            .await;
+        assert_eq!((summary.ticks, summary.runner_ticks), (1, 1), "{summary:?}");
+    }
+
+    pub(super) fn metrics_are_recorded() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || runtime().block_on(one_tick()));
+        let snapshot = snapshotter.snapshot().into_vec();
+        let value = |name: &str, want: &[(&str, &str)]| -> Option<&DebugValue> {
+            let want = pairs(want);
+            snapshot
+                .iter()
+                .find(|(k, ..)| k.key().name() == name && labels(k) == want)
+                .map(|(.., v)| v)
+        };
+        let counter = |name: &str, want: &[(&str, &str)]| match value(name, want) {
+            Some(DebugValue::Counter(n)) => *n,
+            other => panic!("{name} {want:?}: {other:?} in {snapshot:#?}"),
+        };
+        let gauge = |name: &str| match value(name, &[("engine", "sqlite")]) {
+            Some(DebugValue::Gauge(g)) => g.into_inner(),
+            other => panic!("{name}: {other:?} in {snapshot:#?}"),
+        };
+        let sqlite = [("engine", "sqlite")];
+        assert_eq!(counter(signals::ACQUIRED, &sqlite), 1);
+        assert_eq!(gauge(signals::RUNNER), 0.0, "released at shutdown");
+        assert!(gauge(signals::LAST_RUN) > 1.0e9, "a Unix time");
+        assert_eq!(
+            counter(signals::TICKS, &[("engine", "sqlite"), ("role", "runner")]),
+            1
+        );
+        assert_eq!(
+            counter(signals::WORK, &[("engine", "sqlite"), ("task", "complete")]),
+            2,
+            "one run succeeded, one failed"
+        );
+        assert_eq!(
+            counter(signals::WORK, &[("engine", "sqlite"), ("task", "purge")]),
+            1,
+            "the expired record"
+        );
+        for (result, n) in [("succeeded", 1), ("failed", 1), ("left", 1)] {
+            let labels = [("engine", "sqlite"), ("result", result)];
+            assert_eq!(counter(signals::COMPLETE_RUNS, &labels), n, "{result}");
+        }
+        assert_eq!(gauge(signals::COMPLETE_STALLED), 4.0);
+        assert_eq!(gauge(signals::COMPLETE_UNHANDLED), 1.0, "ghost:v1");
+        for task in ["complete", "purge"] {
+            let labels = [("engine", "sqlite"), ("outcome", "ok"), ("task", task)];
+            match value(signals::TASK_DURATION, &labels) {
+                Some(DebugValue::Histogram(samples)) => assert_eq!(samples.len(), 1, "{task}"),
+                other => panic!("{task}: {other:?}"),
+            }
+        }
+        assert!(
+            value(signals::ERRORS, &[("engine", "sqlite"), ("task", "purge")]).is_none(),
+            "no task failed"
+        );
+        // Labels are the documented ones, and never a principal, operation or key.
+        for (key, ..) in &snapshot {
+            let name = key.key().name();
+            if !(name.starts_with("idem_maintain_") || name.starts_with("idem_complete_")) {
+                continue;
+            }
+            for (label, value) in labels(key) {
+                assert!(
+                    ["engine", "role", "task", "outcome", "result"].contains(&label.as_str()),
+                    "{key:?}"
+                );
+                assert!(
+                    !value.contains("secret") && !value.contains("account") && !value.contains(':'),
+                    "{key:?}"
+                );
+            }
+        }
+    }
+
+    pub(super) fn spans_are_recorded() {
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::TRACE)
+            .with_span_events(tracing_subscriber::fmt::format::FmtSpan::CLOSE)
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .finish();
+        tracing::subscriber::with_default(subscriber, || runtime().block_on(one_tick()));
+        let text = String::from_utf8(captured.0.lock().unwrap().clone()).unwrap();
+        for secret in ["secret-stalled-key", "secret-request-QQ7"] {
+            assert!(!text.contains(secret), "{secret} leaked into:\n{text}");
+        }
+        // The lines that close a span named `name` (the innermost span of the line).
+        let closes = |name: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| l.ends_with("close") || l.contains(": close "))
+                .filter(|l| {
+                    let context = l.split(": idem_core").next().unwrap_or_default();
+                    let innermost = context.rsplit("}:").next().unwrap_or_default();
+                    innermost.trim_start().split('{').next() == Some(name)
+                        || innermost.contains(&format!(" {name}{{"))
+                })
+                .map(str::to_owned)
+                .collect()
+        };
+        let ticks = closes(signals::TICK_SPAN);
+        assert_eq!(ticks.len(), 1, "{text}");
+        assert!(ticks[0].contains("role=\"runner\"") && ticks[0].contains("tick=1"));
+        let tasks = closes(signals::TASK_SPAN);
+        assert_eq!(tasks.len(), 2, "{text}");
+        assert!(
+            tasks.iter().any(|l| l.contains("task=\"complete\"")
+                && l.contains("outcome=\"ok\"")
+                && l.contains("work=2")),
+            "{text}"
+        );
+        let runs = closes(signals::RUN_SPAN);
+        assert_eq!(runs.len(), 3, "one per run with a step:\n{text}");
+        let hash = observe::key_hash("secret-stalled-key-1");
+        assert!(
+            runs.iter().any(|l| l.contains("operation=\"done:v1\"")
+                && l.contains(&format!("key_hash=\"{hash}\""))
+                && l.contains("point=\"started\"")
+                && l.contains("result=\"succeeded\"")),
+            "{text}"
+        );
+        assert!(runs.iter().any(|l| l.contains("result=\"left\"")));
+        assert!(
+            !text.contains("ghost:v1"),
+            "an unhandled run gets no span:\n{text}"
+        );
+        assert!(text.contains("this instance is now the maintenance runner"));
+        assert!(text.contains("releasing the maintenance lock"));
+    }
 }
