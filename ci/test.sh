@@ -5,6 +5,7 @@
 # name otherwise), `idem demo serve` through a real HTTP client on each required engine, the
 # broker consumer tests (RabbitMQ and NATS JetStream, required unless IDEM_BROKERS=0) on each
 # required engine, the external-effect tests (outbox relays, the card charge under SIGKILLs),
+# the maintenance loop (three `idem maintain` processes per engine, the runner SIGKILLed),
 # and the README's walkthrough on each required engine. It starts only the servers these
 # steps need.
 set -euo pipefail
@@ -167,6 +168,24 @@ if wants sqlite && wants postgres && wants mysql; then
     cargo test --locked -p idem-tests --all-features --test external
   else
     step "external effects: the card charge (relayed to RabbitMQ) SKIPPED (IDEM_BROKERS=0)"
+  fi
+fi
+
+# Maintenance once per fleet (docs/operations.md): three `idem maintain` processes per
+# engine, one runner at a time, a takeover after the runner is SIGKILLed; then the runner's
+# relay task on RabbitMQ.
+for engine in sqlite postgres mysql; do
+  wants "$engine" || continue
+  case $engine in mysql) name=mariadb ;; *) name=$engine ;; esac
+  step "maintenance once per fleet: three idem maintain processes, the runner SIGKILLed ($engine)"
+  cargo test --locked -p idem-cli --all-features --test maintain -- "${name}_one_runner"
+done
+if wants sqlite; then
+  if brokers; then
+    step "maintenance: the relay task of idem maintain on RabbitMQ (sqlite)"
+    cargo test --locked -p idem-cli --all-features --test maintain -- sqlite_relay_task
+  else
+    step "maintenance: the relay task of idem maintain on RabbitMQ SKIPPED (IDEM_BROKERS=0)"
   fi
 fi
 

@@ -9,10 +9,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
 use idem::core::maintain::{
-    self, Completion, DEFAULT_LOCK_NAME, Event, LeaderLock, Maintainer, Purge, Relay, TickReport,
+    self, Completion, DEFAULT_LOCK_NAME, Event, LeaderLock, Maintainer, Purge, TickReport,
 };
-use idem::core::runs::OutboxRow;
-use idem::{Backend, DbError, Idem, Maintenance, OutboxStore, Publisher};
+use idem::{Backend, DbError, Idem, Maintenance, OutboxStore};
 use idem_conformance::Bank;
 use serde_json::{Value, json};
 use tokio::sync::Notify;
@@ -229,10 +228,10 @@ impl BrokerPublisher {
 }
 
 #[cfg(any(feature = "amqp", feature = "nats"))]
-impl Publisher for BrokerPublisher {
+impl idem::Publisher for BrokerPublisher {
     type Error = idem::consumer::PublishError;
 
-    async fn publish(&self, message: &OutboxRow) -> Result<(), Self::Error> {
+    async fn publish(&self, message: &idem::core::runs::OutboxRow) -> Result<(), Self::Error> {
         let mut slot = self.connected.lock().await;
         if slot.is_none() {
             *slot = Some(self.connect().await?);
@@ -475,7 +474,7 @@ where
             connected: tokio::sync::Mutex::new(None),
         };
         maintainer = maintainer.with_task(
-            Relay::new(publisher)
+            maintain::Relay::new(publisher)
                 .batch(args.relay_batch)
                 .passes(args.relay_passes),
         );
