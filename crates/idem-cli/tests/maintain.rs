@@ -412,3 +412,112 @@ fn mariadb_one_runner_at_a_time_and_a_takeover_after_sigkill() {
     run_sql(format!("DROP DATABASE {db}"));
     rt.block_on(admin.disconnect()).unwrap();
 }
+
+/// The runner's relay task, through the command: one elected tick with `--amqp` publishes
+/// the committed outbox messages to RabbitMQ (required: `IDEM_AMQP_URL`, by default the
+/// local broker), in order, with their message IDs, and marks them sent; the passes stop
+/// at the bound the options set.
+#[test]
+fn sqlite_relay_task_publishes_the_outbox_to_rabbitmq() {
+    use idem::consumer::lapin::options::{BasicAckOptions, BasicGetOptions, QueueDeleteOptions};
+    use idem::consumer::lapin::{Connection, ConnectionProperties};
+    use idem::{OutboxStore, Outgoing};
+
+    let amqp = required("IDEM_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672/%2f");
+    let tag = format!("{}_{:06x}", std::process::id(), fastrand::u32(..0xff_ffff));
+    let dir = std::env::temp_dir().join(format!("idem-maintain-relay-{tag}"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}", dir.join("m.db").display());
+    let queue = format!("idem_maint_q_{tag}");
+    let rt = runtime();
+    let migrated = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--url", &url, "migrate"])
+        .status()
+        .unwrap();
+    assert!(migrated.success());
+    let backend = rt
+        .block_on(idem::sqlite::SqliteBackend::connect(&url))
+        .unwrap();
+    rt.block_on(async {
+        let mut tx = backend.begin_runs(None).await.unwrap();
+        for i in 1..=5 {
+            let m = Outgoing::new(&queue, &format!("m-{i}"), &json!({"n": i})).unwrap();
+            backend.enqueue(&mut tx, &m).await.unwrap();
+        }
+        backend.commit_runs(tx).await.unwrap();
+    });
+
+    // Two passes of two messages: four published, one left for the next tick.
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--url", &url, "maintain", "--json", "--ticks", "1"])
+        .args(["--amqp", &amqp, "--relay-batch", "2", "--relay-passes", "2"])
+        .args([
+            "--no-purge",
+            "--no-complete",
+            "--lock-name",
+            &format!("relay-{tag}"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<Value> = String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let tick = lines.iter().find(|v| event(v) == "tick").unwrap();
+    assert_eq!(tick["runner"], true, "{tick}");
+    let relay = &tick["tasks"][0];
+    assert_eq!(
+        (
+            &relay["task"],
+            &relay["done"],
+            &relay["more"],
+            &relay["error"]
+        ),
+        (&json!("relay"), &json!(4), &json!(true), &Value::Null),
+        "{tick}"
+    );
+    assert!(
+        !String::from_utf8_lossy(&out.stderr).contains("guest:guest"),
+        "the broker's password is never printed"
+    );
+
+    let got = rt.block_on(async {
+        let conn = Connection::connect(&amqp, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| panic!("RabbitMQ must be running: {e}"));
+        let ch = conn.create_channel().await.unwrap();
+        let mut ids = Vec::new();
+        while let Some(m) = ch
+            .basic_get(queue.as_str().into(), BasicGetOptions::default())
+            .await
+            .unwrap()
+        {
+            let d = m.delivery;
+            ids.push(d.properties.message_id().as_ref().map(|s| s.to_string()));
+            d.acker.ack(BasicAckOptions::default()).await.unwrap();
+        }
+        let _ = ch
+            .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = conn.close(200, "done".into()).await;
+        ids
+    });
+    let want: Vec<Option<String>> = (1..=4).map(|i| Some(format!("m-{i}"))).collect();
+    assert_eq!(got, want, "published in order, with their IDs");
+    let unsent = rt.block_on(async {
+        let mut tx = backend.begin_runs(None).await.unwrap();
+        let rows = backend.lock_unsent(&mut tx, 100).await.unwrap();
+        backend.rollback_runs(tx).await.unwrap();
+        rows
+    });
+    let left: Vec<&str> = unsent.iter().map(|r| r.message_id.as_str()).collect();
+    assert_eq!(left, ["m-5"], "the fifth waits for the next tick");
+    drop(backend);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
