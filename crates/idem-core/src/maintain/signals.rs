@@ -86,8 +86,9 @@ pub const COMPLETE_STALLED: &str = "idem_complete_stalled";
 /// completer configured without it.
 pub const COMPLETE_UNHANDLED: &str = "idem_complete_unhandled";
 /// Counter: stalled runs the completer handled, by `result`: `succeeded` and `failed`
-/// (driven to that final answer), `busy` (someone else had it first), `left` (its step
-/// could not move it now; its lease was released for a later pass or a retry).
+/// (driven to that final answer), `busy` (someone else had it first, or its row was
+/// locked or the database busy: a later pass handles it), `left` (its step could not move
+/// it now; its lease was released for a later pass or a retry).
 pub const COMPLETE_RUNS: &str = "idem_complete_runs_total";
 
 /// The values of [`FIELD_RESULT`] in [`COMPLETE_RUNS`].

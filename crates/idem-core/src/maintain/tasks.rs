@@ -456,7 +456,11 @@ async fn handle<B: RunStore>(idem: &Idem<B>, step: &mut StepFn<B>, row: &Stalled
     let request = match stalled_request(idem, &scope, &key).await {
         Ok(Some(request)) => request,
         Ok(None) => return Handled::Busy,
-        Err(e) if e.kind() == ErrorKind::LockTimeout => return Handled::Busy,
+        // Its row is locked by another session (a client's retry taking it over), or the
+        // database is busy: another pass (or that retry) handles it.
+        Err(e) if e.kind() == ErrorKind::LockTimeout || e.kind().is_retryable() => {
+            return Handled::Busy;
+        }
         Err(e) => return Handled::Left(e.to_string()),
     };
     let mut first = true;
