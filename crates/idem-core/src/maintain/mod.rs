@@ -216,7 +216,11 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 /// does on each tick, in the order they were added.
 ///
 /// ```no_run
-/// # async fn demo<B, L>(idem: idem_core::Idem<B>, lock: L) -> Result<(), Box<dyn std::error::Error>>
+/// # async fn demo<B, L>(
+/// #     idem: idem_core::Idem<B>,
+/// #     lock: L,
+/// #     shutdown: tokio::sync::oneshot::Receiver<()>,
+/// # ) -> Result<(), Box<dyn std::error::Error>>
 /// # where B: idem_core::RunStore + idem_core::Maintenance, L: idem_core::maintain::LeaderLock {
 /// use std::time::Duration;
 /// use idem_core::maintain::{Completion, Maintainer, Purge};
@@ -224,7 +228,8 @@ pub const DEFAULT_LOCK_TIMEOUT: Duration = Duration::from_secs(5);
 ///     .with_interval(Duration::from_secs(30))
 ///     .with_task(Completion::new().limit(50)) // add .step(&operation, step) per operation
 ///     .with_task(Purge::new().batch(1000).max_batches(20))
-///     .run(async { let _ = tokio::signal::ctrl_c().await; })
+///     // Any future that completes on shutdown: a signal, a cancellation token, a channel.
+///     .run(async { let _ = shutdown.await; })
 ///     .await;
 /// println!("{} ticks, {} as the runner", summary.ticks, summary.runner_ticks);
 /// # Ok(()) }
