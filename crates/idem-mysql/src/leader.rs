@@ -11,10 +11,14 @@
 //!
 //! The connection is opened with the pool's options but is not part of the pool (a
 //! pooled session may be reset, which releases named locks). **Galera:** named locks are
-//! local to one node, so instances connected to different nodes of a MariaDB Galera
+//! local to one node (seen on MariaDB 10.11.19 with Galera 4: a second node grants the
+//! same name while the first holds it), so instances connected to different nodes of a
 //! cluster each elect a runner of their own; point every maintenance loop at the same
-//! node (or accept one runner per node: every task is safe to run twice at once). A
-//! runner cut off by the network keeps its lock until the server notices the dead
+//! node (or accept one runner per node: every task is safe to run twice at once). Some
+//! MariaDB releases refuse `GET_LOCK` while `wsrep_on` is set (error 1235, MDEV-30473);
+//! the lock's session then turns `wsrep_on` off for itself (it writes nothing, so nothing
+//! of it needs replicating; that takes the privilege to set `wsrep_on`) and tries again.
+//! A runner cut off by the network keeps its lock until the server notices the dead
 //! connection (`wait_timeout`, TCP keepalive): until then no other instance runs.
 
 use idem_core::maintain::{LeaderLock, check_lock_name};
@@ -34,12 +38,21 @@ pub(crate) const HOLDS_LOCK: &str = "SELECT COALESCE(IS_USED_LOCK(?) = CONNECTIO
 /// Releases the named lock `?`.
 pub(crate) const UNLOCK: &str = "SELECT RELEASE_LOCK(?)";
 
+/// For a Galera node that refuses named locks while replicating the session: this
+/// session's writes (it makes none) are not replicated.
+pub(crate) const LOCAL_SESSION: &str = "SET SESSION wsrep_on = OFF";
+
+/// `ER_NOT_SUPPORTED_YET`: what a MariaDB Galera node that refuses `GET_LOCK` in a
+/// cluster answers.
+pub(crate) const NOT_SUPPORTED_YET: u16 = 1235;
+
 /// Every statement of this module, for the snapshot test.
 #[cfg(test)]
 pub(crate) const ALL: &[(&str, &str)] = &[
     ("leader_try_lock", TRY_LOCK),
     ("leader_holds_lock", HOLDS_LOCK),
     ("leader_unlock", UNLOCK),
+    ("leader_local_session", LOCAL_SESSION),
 ];
 
 /// The maintenance lock of a MySQL or MariaDB database (see the module documentation).
@@ -89,10 +102,27 @@ impl LeaderLock for MysqlLeaderLock {
             pooled.opts().clone()
         };
         let mut conn = Conn::new(opts).await.map_err(db_error)?;
-        let row: Option<(String, Option<i64>, u32)> = conn
-            .exec_first(TRY_LOCK, (self.name.as_str(),))
-            .await
-            .map_err(db_error)?;
+        let tried: Result<Option<(String, Option<i64>, u32)>, _> =
+            conn.exec_first(TRY_LOCK, (self.name.as_str(),)).await;
+        let row = match tried {
+            Err(e) if crate::error_codes::server_code(&e) == Some(NOT_SUPPORTED_YET) => {
+                conn.query_drop(LOCAL_SESSION).await.map_err(|e| {
+                    DbError::new(
+                        ENGINE,
+                        ErrorKind::Configuration,
+                        format!(
+                            "this Galera node refuses GET_LOCK while the session is replicated, \
+                             and the maintenance lock's session could not turn wsrep_on off \
+                             (it needs the privilege to set it): {e}"
+                        ),
+                    )
+                })?;
+                conn.exec_first(TRY_LOCK, (self.name.as_str(),))
+                    .await
+                    .map_err(db_error)?
+            }
+            other => other.map_err(db_error)?,
+        };
         match row {
             Some((lock, Some(1), session)) => Ok(Some(MysqlHeld {
                 conn,
