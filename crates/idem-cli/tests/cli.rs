@@ -364,7 +364,7 @@ fn help_lists_the_exit_codes_in_plain_words() {
     assert_eq!(
         commands,
         [
-            "migrate", "check", "purge", "relay", "bench", "docs", "demo", "help"
+            "migrate", "check", "purge", "relay", "bench", "maintain", "docs", "demo", "help"
         ],
         "{help}"
     );
@@ -377,6 +377,7 @@ fn help_lists_the_exit_codes_in_plain_words() {
         &["purge"],
         &["relay"],
         &["bench"],
+        &["maintain"],
         &["docs"],
         &["demo", "account"],
         &["demo", "debit"],
