@@ -219,10 +219,22 @@ impl BrokerPublisher {
         };
         match tokio::time::timeout(fail::CONNECT_TIMEOUT, connecting).await {
             Ok(connected) => connected,
-            Err(_) => Err(PublishError::Config(format!(
-                "no answer from the broker within {} s",
-                fail::CONNECT_TIMEOUT.as_secs()
-            ))),
+            Err(_) => {
+                let (broker, url) = match &self.broker {
+                    #[cfg(feature = "amqp")]
+                    Broker::Amqp { url, .. } => ("amqp", url),
+                    #[cfg(feature = "nats")]
+                    Broker::Nats { url, .. } => ("nats", url),
+                };
+                Err(PublishError::Connect {
+                    broker,
+                    target: idem::redact(url),
+                    source: Box::new(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no answer within {} s", fail::CONNECT_TIMEOUT.as_secs()),
+                    )),
+                })
+            }
         }
     }
 }
