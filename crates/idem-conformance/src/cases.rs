@@ -151,9 +151,80 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
             run: |k| Box::pin(external::completer_finishes_stalled_runs(k)),
         },
         Case {
+            name: "run_rows_are_compare_and_set_by_owner_fence_and_point",
+            promise: "a run's row changes only by compare-and-set on owner, fence and point; leases alone",
+            run: |k| {
+                Box::pin(crate::run_store::run_rows_are_compare_and_set_by_owner_fence_and_point(k))
+            },
+        },
+        Case {
+            name: "stalled_runs_are_unfinished_unexpired_and_lease_over",
+            promise: "the completer lists only unfinished, unexpired runs whose lease ended",
+            run: |k| {
+                Box::pin(crate::run_store::stalled_runs_are_unfinished_unexpired_and_lease_over(k))
+            },
+        },
+        Case {
+            name: "purge_keeps_live_runs_and_unsent_messages",
+            promise: "purge deletes expired runs and sent messages, never pending or dead ones",
+            run: |k| {
+                Box::pin(crate::run_store::purge_keeps_live_runs_and_unsent_messages(
+                    k,
+                ))
+            },
+        },
+        Case {
+            name: "a_start_held_up_by_its_run_answers_in_progress",
+            promise: "a start whose wait bound ran out on its run's row answers InProgress",
+            run: |k| Box::pin(crate::run_store::a_start_held_up_by_its_run_answers_in_progress(k)),
+        },
+        Case {
+            name: "phased_steps_may_repeat_a_point",
+            promise: "a step that commits the same point and state again is progress; retention must outlive the lease",
+            run: |k| Box::pin(external::phased_steps_may_repeat_a_point(k)),
+        },
+        Case {
+            name: "lost_commit_replies_never_move_a_run_back",
+            promise: "a commit whose reply was lost: the run never moves back, effects once, same answer",
+            run: |k| Box::pin(crate::lost_reply::lost_commit_replies_never_move_a_run_back(k)),
+        },
+        Case {
             name: "outbox_drains_in_order_skipping_locked",
             promise: "outbox relays publish each committed message once, in order per destination",
             run: |k| Box::pin(external::outbox_drains_in_order_skipping_locked(k)),
+        },
+        Case {
+            name: "outbox_failures_back_off_then_die",
+            promise: "a refused message is retried with backoff, then dead; its destination then goes on in order",
+            run: |k| {
+                Box::pin(
+                    crate::outbox_cases::outbox_failures_back_off_then_die_and_the_destination_goes_on(k),
+                )
+            },
+        },
+        Case {
+            name: "outbox_operators_list_retry_and_drop",
+            promise: "operators list, retry and drop unsent messages",
+            run: |k| Box::pin(crate::outbox_cases::outbox_operators_list_retry_and_drop(k)),
+        },
+        Case {
+            name: "outbox_relay_dying_after_publishing_publishes_again",
+            promise: "a relay killed between publish and record: published again, the attempt counted",
+            run: |k| {
+                Box::pin(
+                    crate::outbox_cases::outbox_relay_dying_after_publishing_publishes_again(k),
+                )
+            },
+        },
+        Case {
+            name: "outbox_unconfirmed_publish_times_out",
+            promise: "a broker that never confirms: the publish times out, counted, not marked sent",
+            run: |k| Box::pin(crate::outbox_cases::outbox_unconfirmed_publish_times_out(k)),
+        },
+        Case {
+            name: "relay_holds_no_lock_while_publishing",
+            promise: "no transaction is open while the relay waits for the broker",
+            run: |k| Box::pin(crate::outbox_cases::relay_holds_no_lock_while_publishing(k)),
         },
         Case {
             name: "completion_drives_known_operations_only",

@@ -414,6 +414,99 @@ pub async fn completer_finishes_stalled_runs<K: Bank>(bank: Arc<K>) -> CaseResul
     )])
 }
 
+/// Three batches at the same point and state (a debit each), then the answer.
+fn batch_step<K: Bank>(
+    rounds: Arc<Mutex<u32>>,
+) -> impl for<'r> FnMut(&'r mut Run<K::B>) -> BoxFuture<'r, Result<(), Error<BankError>>> + Send {
+    move |run| {
+        let rounds = Arc::clone(&rounds);
+        Box::pin(async move {
+            let n = {
+                let mut n = rounds.lock().unwrap_or_else(|e| e.into_inner());
+                *n += 1;
+                *n
+            };
+            if n <= 3 {
+                run.phase("batch", |tx| {
+                    Box::pin(async move {
+                        K::debit(tx, 1, 10).await?;
+                        Ok::<_, BankError>(json!({ "cursor": "same" }))
+                    })
+                })
+                .await?;
+            } else {
+                run.finish(|_tx| Box::pin(async { Ok::<_, BankError>(json!({ "done": true })) }))
+                    .await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A step that commits nothing.
+fn idle_step<B: idem::core::RunStore>(
+    _run: &mut Run<B>,
+) -> BoxFuture<'_, Result<(), Error<BankError>>> {
+    Box::pin(async { Ok(()) })
+}
+
+/// A step that commits the same recovery point and state again (a batch loop) is
+/// progress, not a stall; a step that commits nothing is refused. A retention shorter
+/// than the lease is refused before any SQL.
+pub async fn phased_steps_may_repeat_a_point<K: Bank>(bank: Arc<K>) -> CaseResult {
+    bank.set_balance(1, 1000).await?;
+    let idem = phased_idem(&*bank);
+    let batch = batch_step::<K>(Arc::new(Mutex::new(0u32)));
+    let out = idem
+        .execute_phased::<Value, BankError, _>(
+            &order_scope()?,
+            &Key::new("batch-1")?,
+            &amount(10),
+            batch,
+        )
+        .await;
+    match out {
+        Ok(Outcome::Executed(v)) => expect_eq("answer", v, json!({ "done": true }))?,
+        other => return Err(fail(format!("a batch loop: got {other:?}"))),
+    }
+    expect_eq("three batches", bank.balance(1).await?, 970)?;
+    // A step that commits nothing is still refused.
+    let idle = idem
+        .execute_phased::<Value, BankError, _>(
+            &order_scope()?,
+            &Key::new("idle-1")?,
+            &amount(10),
+            idle_step::<K::B>,
+        )
+        .await;
+    if !matches!(idle, Err(Error::InvalidInput(_))) {
+        return Err(fail(format!("a step that commits nothing: got {idle:?}")));
+    }
+    // A retention shorter than the lease is refused before any SQL.
+    let short = idem::core::Scope::new(
+        idem::core::Principal::new("account-1")?,
+        idem::core::Operation::new("order", 1)?.with_retention(Duration::from_millis(1500)),
+    );
+    let long_lease = phased_idem(&*bank).with_lease(Duration::from_secs(2));
+    match long_lease
+        .start::<BankError>(&short, &Key::new("short-1")?, &amount(10))
+        .await
+    {
+        Err(Error::InvalidInput(e)) if e.what() == "operation retention" => {}
+        other => {
+            return Err(fail(format!(
+                "a retention shorter than the lease: got {other:?}"
+            )));
+        }
+    }
+    Ok(vec![(
+        "phased steps",
+        "the same point and state committed 3 times: progress; nothing committed: refused; \
+         retention 1.5 s under a 2 s lease: refused"
+            .into(),
+    )])
+}
+
 /// "I started publishing" and "go on".
 type Hold = (
     tokio::sync::oneshot::Sender<()>,
@@ -499,32 +592,32 @@ pub async fn outbox_drains_in_order_skipping_locked<K: Bank>(bank: Arc<K>) -> Ca
     }
     let recorder = Recorder::default();
     let mut observation = String::new();
-    if K::SKIP_LOCKED {
-        let (started_tx, started_rx) = tokio::sync::oneshot::channel();
-        let (release_tx, release_rx) = tokio::sync::oneshot::channel();
-        *recorder.hold.lock().await = Some((started_tx, release_rx));
-        let holder = {
-            let (idem, recorder) = (idem.clone(), recorder.clone());
-            tokio::spawn(async move { idem.relay(&recorder, 2).await })
-        };
-        tokio::time::timeout(HANG_GUARD, started_rx)
-            .await
-            .map_err(|_| fail("the first relay never published"))?
-            .map_err(|_| fail("the first relay ended early"))?;
-        // The first relay holds a1 and a2 and is publishing a1.
-        let other = tokio::time::timeout(HANG_GUARD, idem.relay(&recorder, 10))
-            .await
-            .map_err(|_| fail("the second relay waited for the first's rows"))??;
-        expect_eq("second relay published (b1, b2, b3)", other.published, 3)?;
-        expect_eq("second relay deferred (a3)", other.deferred, 1)?;
-        let _ = release_tx.send(());
-        let first = tokio::time::timeout(HANG_GUARD, holder)
-            .await
-            .map_err(|_| fail("the first relay hung"))?
-            .map_err(|e| fail(format!("task: {e}")))??;
-        expect_eq("first relay published (a1, a2)", first.published, 2)?;
-        observation.push_str("a relay holding a1,a2: the other published b1-b3, deferred a3; ");
-    }
+    // The first relay claims a1 and a2 (limit 2) and is held while publishing a1: it
+    // holds no transaction then, only its claim.
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let (release_tx, release_rx) = tokio::sync::oneshot::channel();
+    *recorder.hold.lock().await = Some((started_tx, release_rx));
+    let holder = {
+        let (idem, recorder) = (idem.clone(), recorder.clone());
+        tokio::spawn(async move { idem.relay(&recorder, 2).await })
+    };
+    tokio::time::timeout(HANG_GUARD, started_rx)
+        .await
+        .map_err(|_| fail("the first relay never published"))?
+        .map_err(|_| fail("the first relay ended early"))?;
+    // The second relay never waits for the first: it publishes b1-b3, and leaves a3
+    // behind a1 and a2 (claimed by the first).
+    let other = tokio::time::timeout(HANG_GUARD, idem.relay(&recorder, 10))
+        .await
+        .map_err(|_| fail("the second relay waited for the first"))??;
+    expect_eq("second relay published (b1, b2, b3)", other.published, 3)?;
+    let _ = release_tx.send(());
+    let first = tokio::time::timeout(HANG_GUARD, holder)
+        .await
+        .map_err(|_| fail("the first relay hung"))?
+        .map_err(|e| fail(format!("task: {e}")))??;
+    expect_eq("first relay published (a1, a2)", first.published, 2)?;
+    observation.push_str("a relay publishing a1,a2: the other published b1-b3, left a3; ");
     idem.relay(&recorder, 10).await?;
     let again = idem.relay(&recorder, 10).await?;
     let seen = recorder

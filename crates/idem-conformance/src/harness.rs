@@ -7,7 +7,10 @@ use std::time::{Duration, Instant};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde::{Deserialize, Serialize};
 
-use idem::core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem::core::runs::{
+    DueRow, NewRun, OutboxEntry, OutboxFilter, OutboxStats, RunGuard, RunProbe, RunRow, RunWrite,
+    StalledRow,
+};
 use idem::core::{
     Backend, BoxFuture, Claim, Claimed, DbError, Finish, Key, Maintenance, OutboxStore, Outgoing,
     RunStore, Scope, Stored, Table,
@@ -343,9 +346,28 @@ impl RunStore for NeverBackend {
         tx: &mut NeverBackend,
         _: &Scope,
         _: &Key,
-        _: &str,
+        _: &RunGuard<'_>,
         _: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
+        match *tx {}
+    }
+    async fn renew_lease(
+        &self,
+        tx: &mut NeverBackend,
+        _: &Scope,
+        _: &Key,
+        _: &str,
+        _: i64,
+        _: Duration,
+    ) -> Result<bool, DbError> {
+        match *tx {}
+    }
+    async fn probe_run(
+        &self,
+        tx: &mut NeverBackend,
+        _: &Scope,
+        _: &Key,
+    ) -> Result<RunProbe, DbError> {
         match *tx {}
     }
     async fn delete_run(
@@ -366,10 +388,10 @@ impl OutboxStore for NeverBackend {
     async fn enqueue(&self, tx: &mut NeverBackend, _: &Outgoing) -> Result<(), DbError> {
         match *tx {}
     }
-    async fn lock_unsent(&self, tx: &mut NeverBackend, _: u32) -> Result<Vec<OutboxRow>, DbError> {
+    async fn lock_due(&self, tx: &mut NeverBackend, _: u32) -> Result<Vec<DueRow>, DbError> {
         match *tx {}
     }
-    async fn unsent_ids(
+    async fn pending_ids(
         &self,
         tx: &mut NeverBackend,
         _: &str,
@@ -377,8 +399,42 @@ impl OutboxStore for NeverBackend {
     ) -> Result<Vec<i64>, DbError> {
         match *tx {}
     }
-    async fn mark_sent(&self, tx: &mut NeverBackend, _: &[i64]) -> Result<(), DbError> {
+    async fn claim_due(
+        &self,
+        tx: &mut NeverBackend,
+        _: &[i64],
+        _: &str,
+        _: Duration,
+    ) -> Result<(), DbError> {
         match *tx {}
+    }
+    async fn release(&self, tx: &mut NeverBackend, _: &[i64], _: &str) -> Result<(), DbError> {
+        match *tx {}
+    }
+    async fn mark_sent(&self, tx: &mut NeverBackend, _: &[i64], _: &str) -> Result<u64, DbError> {
+        match *tx {}
+    }
+    async fn record_failure(
+        &self,
+        tx: &mut NeverBackend,
+        _: i64,
+        _: &str,
+        _: &str,
+        _: Option<Duration>,
+    ) -> Result<bool, DbError> {
+        match *tx {}
+    }
+    async fn outbox_stats(&self) -> Result<OutboxStats, DbError> {
+        match *self {}
+    }
+    async fn list_outbox(&self, _: &OutboxFilter) -> Result<Vec<OutboxEntry>, DbError> {
+        match *self {}
+    }
+    async fn retry_outbox(&self, _: &[i64], _: Option<&str>) -> Result<u64, DbError> {
+        match *self {}
+    }
+    async fn drop_outbox(&self, _: &[i64], _: Option<&str>) -> Result<u64, DbError> {
+        match *self {}
     }
 }
 

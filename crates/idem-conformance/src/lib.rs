@@ -10,7 +10,10 @@ pub mod cases;
 pub mod docs;
 pub mod external;
 pub mod harness;
+pub mod lost_reply;
 pub mod maintain;
+pub mod outbox_cases;
+pub mod run_store;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;

@@ -35,7 +35,10 @@ pub use ident::{
     DEFAULT_RETENTION, Key, MAX_IDENT_BYTES, MessageId, Operation, Principal, Scope, Subscriber,
 };
 pub use migrate::Migration;
-pub use outbox::{Outgoing, Publisher, RelayError, RelayFailure, RelayReport};
+pub use outbox::{
+    DEFAULT_MAX_PAYLOAD_BYTES, Outgoing, Publisher, RelayError, RelayFailure, RelayOptions,
+    RelayReport,
+};
 pub use phased::{
     CompleteReport, DEFAULT_LEASE, Finished, MIN_LEASE, OperationReport, Run, Started,
 };

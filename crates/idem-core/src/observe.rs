@@ -39,7 +39,11 @@ use sha2::{Digest, Sha256};
 use tracing::Span;
 use tracing::field::Empty;
 
-use crate::error::{Error, ErrorKind};
+use crate::backend::Status;
+use crate::error::{DbError, Error, ErrorKind};
+use crate::ident::{Key, Scope};
+use crate::outbox::RelayReport;
+use crate::runs::OutboxStats;
 
 /// The span every call runs in.
 pub const SPAN_NAME: &str = "idem.call";
@@ -305,6 +309,205 @@ pub(crate) fn retrying(engine: &'static str, attempt: u32, cause: ErrorKind) {
 pub(crate) fn giving_up(attempt: u32, cause: ErrorKind) {
     let cause = cause_label(cause);
     tracing::warn!(attempt, cause, "idem: retries exhausted");
+}
+
+// ---------------------------------------------------------------------------------------
+// Phased runs and the outbox relay
+
+/// The span of a phased run's call (`start`, `phase`, `finish`, `fail`, `complete`).
+pub const RUN_SPAN_NAME: &str = "idem.run";
+/// The span of a relay pass.
+pub const RELAY_SPAN_NAME: &str = "idem.relay";
+/// Span field: a run's recovery point (the one committed, for `phase`).
+pub const FIELD_POINT: &str = "point";
+/// Span field: a run's fencing generation.
+pub const FIELD_FENCE: &str = "fence";
+/// Metric label: how a run ended (`succeeded`, `failed`).
+pub const FIELD_STATUS: &str = "status";
+
+/// Counter: phased runs started (a new key's run committed).
+pub const RUNS_STARTED: &str = "idem_runs_started_total";
+/// Counter: runs taken over after their owner's lease ended (by a retry or the
+/// completer).
+pub const RUN_TAKEOVERS: &str = "idem_run_takeovers_total";
+/// Counter: phases committed.
+pub const RUN_PHASES: &str = "idem_run_phases_total";
+/// Counter: writes of a run refused because another call had taken it over (fencing).
+pub const RUN_LEASE_LOST: &str = "idem_run_lease_lost_total";
+/// Counter: runs that stored their final answer, by `status`.
+pub const RUNS_FINISHED: &str = "idem_runs_finished_total";
+/// Counter: commits of a phase or an answer whose outcome is unknown (the connection
+/// was lost around `COMMIT`).
+pub const RUN_UNKNOWN_COMMITS: &str = "idem_run_unknown_commits_total";
+/// Counter: outbox messages published and marked sent.
+pub const RELAY_PUBLISHED: &str = "idem_relay_published_total";
+/// Counter: failed publishing attempts (refused, or not confirmed in time).
+pub const RELAY_FAILED: &str = "idem_relay_failed_total";
+/// Counter: outbox messages that became dead (no attempts left).
+pub const RELAY_DEAD: &str = "idem_relay_dead_total";
+/// Gauge: outbox messages still to be published, after the last relay pass.
+pub const OUTBOX_PENDING: &str = "idem_outbox_pending";
+/// Gauge: dead outbox messages, after the last relay pass.
+pub const OUTBOX_DEAD: &str = "idem_outbox_dead";
+/// Gauge: the age in seconds of the oldest pending outbox message (0 when none).
+pub const OUTBOX_OLDEST_PENDING_AGE: &str = "idem_outbox_oldest_pending_age_seconds";
+
+/// Opens the span of a call on a phased run.
+pub(crate) fn run_span(
+    call: &'static str,
+    engine: &'static str,
+    scope: &Scope,
+    key: &Key,
+    point: &str,
+    fence: i64,
+) -> Span {
+    let span = tracing::info_span!(
+        "idem.run",
+        call,
+        engine,
+        principal = scope.principal.as_str(),
+        operation = scope.operation.as_str(),
+        key_hash = Empty,
+        point = Empty,
+        fence,
+        outcome = Empty,
+    );
+    if !span.is_disabled() {
+        span.record(FIELD_KEY_HASH, key_hash(key.as_str()));
+        if !point.is_empty() {
+            span.record(FIELD_POINT, point);
+        }
+    }
+    span
+}
+
+/// A call owns a run: a new one, or one taken over (`resumed`).
+pub(crate) fn run_owned(span: &Span, engine: &'static str, resumed: bool, fence: i64, point: &str) {
+    span.record(FIELD_FENCE, fence);
+    span.record(FIELD_POINT, point);
+    if resumed {
+        span.record(FIELD_OUTCOME, "taken_over");
+        tracing::info!(parent: span, fence, point, "idem: run taken over");
+    } else {
+        span.record(FIELD_OUTCOME, "started");
+    }
+    #[cfg(feature = "metrics")]
+    metrics::counter!(if resumed { RUN_TAKEOVERS } else { RUNS_STARTED }, FIELD_ENGINE => engine)
+        .increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = engine;
+}
+
+/// A start found the run's stored final answer.
+pub(crate) fn run_replayed(span: &Span) {
+    span.record(FIELD_OUTCOME, Outcome::Replayed.as_str());
+}
+
+/// A phase committed at `point`.
+pub(crate) fn run_phase(span: &Span, engine: &'static str, point: &str) {
+    span.record(FIELD_OUTCOME, "committed");
+    span.record(FIELD_POINT, point);
+    #[cfg(feature = "metrics")]
+    metrics::counter!(RUN_PHASES, FIELD_ENGINE => engine).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = engine;
+}
+
+/// A run stored its final answer.
+pub(crate) fn run_finished(span: &Span, engine: &'static str, status: Status) {
+    let status = match status {
+        Status::Succeeded => "succeeded",
+        Status::Rejected => "failed",
+    };
+    span.record(FIELD_OUTCOME, status);
+    #[cfg(feature = "metrics")]
+    metrics::counter!(RUNS_FINISHED, FIELD_ENGINE => engine, FIELD_STATUS => status).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = engine;
+}
+
+/// A call on a run failed.
+pub(crate) fn run_call_failed<E>(span: &Span, e: &Error<E>) {
+    let outcome = match e {
+        Error::LeaseLost { .. } => "lease_lost",
+        e => Outcome::of_error(e).as_str(),
+    };
+    span.record(FIELD_OUTCOME, outcome);
+}
+
+/// A write of a run was refused: another call took it over.
+pub(crate) fn run_lease_lost(engine: &'static str, fence: i64) {
+    tracing::warn!(
+        fence,
+        "idem: run lease lost: another call took the run over; this write was refused"
+    );
+    #[cfg(feature = "metrics")]
+    metrics::counter!(RUN_LEASE_LOST, FIELD_ENGINE => engine).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = engine;
+}
+
+/// The commit of a phase or an answer ended with an unknown outcome.
+pub(crate) fn run_unknown_commit(engine: &'static str, e: &DbError) {
+    let cause = cause_label(e.kind());
+    tracing::warn!(
+        cause,
+        "idem: the outcome of a run's commit is unknown; the handle writes nothing more"
+    );
+    #[cfg(feature = "metrics")]
+    metrics::counter!(RUN_UNKNOWN_COMMITS, FIELD_ENGINE => engine).increment(1);
+    #[cfg(not(feature = "metrics"))]
+    let _ = engine;
+}
+
+/// What a relay pass did.
+pub(crate) fn relayed(engine: &'static str, report: &RelayReport) {
+    for failure in &report.failed {
+        let message_hash = key_hash(&failure.message_id);
+        if failure.dead {
+            tracing::warn!(
+                destination = failure.destination.as_str(),
+                message_hash,
+                attempts = failure.attempts,
+                "idem: an outbox message is dead (no attempts left); retry or drop it"
+            );
+        } else {
+            tracing::info!(
+                destination = failure.destination.as_str(),
+                message_hash,
+                attempts = failure.attempts,
+                "idem: publishing an outbox message failed; it will be tried again"
+            );
+        }
+    }
+    #[cfg(feature = "metrics")]
+    {
+        metrics::counter!(RELAY_PUBLISHED, FIELD_ENGINE => engine).increment(report.published);
+        metrics::counter!(RELAY_FAILED, FIELD_ENGINE => engine)
+            .increment(report.failed.len() as u64);
+        metrics::counter!(RELAY_DEAD, FIELD_ENGINE => engine).increment(report.dead);
+    }
+    backlog(engine, &report.backlog);
+}
+
+/// The outbox's backlog, as gauges.
+pub(crate) fn backlog(engine: &'static str, stats: &OutboxStats) {
+    #[cfg(feature = "metrics")]
+    {
+        // Gauges are f64: exact up to 2^53 messages.
+        #[allow(clippy::cast_precision_loss)]
+        {
+            metrics::gauge!(OUTBOX_PENDING, FIELD_ENGINE => engine).set(stats.pending as f64);
+            metrics::gauge!(OUTBOX_DEAD, FIELD_ENGINE => engine).set(stats.dead as f64);
+        }
+        metrics::gauge!(OUTBOX_OLDEST_PENDING_AGE, FIELD_ENGINE => engine).set(
+            stats
+                .oldest_pending_age
+                .map_or(0.0, |age| age.as_secs_f64()),
+        );
+    }
+    #[cfg(not(feature = "metrics"))]
+    let _ = (engine, stats);
 }
 
 /// Registers a description and unit for every metric with the installed recorder.

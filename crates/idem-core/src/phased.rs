@@ -24,14 +24,16 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
+use tracing::Instrument;
 
 use crate::backend::Status;
 use crate::effect::EffectError;
 use crate::error::{DbError, Error, ErrorKind, InvalidInput};
 use crate::ident::{Key, Principal, Scope};
+use crate::observe;
 use crate::protocol::{BoxFuture, Idem, Outcome};
 use crate::request::Request;
-use crate::runs::{NewRun, RunStore, RunWrite, STARTED};
+use crate::runs::{NewRun, RunGuard, RunProbe, RunStore, RunWrite, STARTED};
 
 /// The default lease of a run's owner: 30 s. Choose it longer than the slowest phase
 /// plus the slowest external call between two phases (or renew it with
@@ -40,6 +42,9 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
 
 /// The shortest lease a run accepts.
 pub const MIN_LEASE: Duration = Duration::from_millis(100);
+
+/// The bound of the probe that follows a start's lock timeout (at most the wait bound).
+const PROBE_WAIT: Duration = Duration::from_millis(500);
 
 /// A recovery point's name: 1 to 64 characters of `[A-Za-z0-9_.-]`.
 fn check_point(point: &str) -> Result<(), InvalidInput> {
@@ -126,9 +131,12 @@ pub struct Run<B: RunStore> {
     state: Option<String>,
     resumed: bool,
     finished: Option<Finished>,
-    /// A commit ended with an unknown outcome (a lost connection): this handle no
-    /// longer knows the run's point, so it refuses further phases.
+    /// A commit of a phase or an answer ended with an unknown outcome (a lost
+    /// connection): this handle no longer knows the run's point, so it writes nothing
+    /// more (phases, answers, heartbeats refused; a release skipped).
     unknown: bool,
+    /// Phases and answers this handle committed.
+    commits: u64,
 }
 
 impl<B: RunStore> fmt::Debug for Run<B> {
@@ -205,23 +213,33 @@ impl<B: RunStore> Run<B> {
     }
 
     /// Extends the lease by the configured length from now (for a long external call).
-    /// [`Error::LeaseLost`] when another call has taken the run over.
+    /// Only the lease is written (never the point or the state), guarded by this owner's
+    /// token and fence. [`Error::LeaseLost`] when another call has taken the run over. A
+    /// handle whose last phase or answer ended with an unknown outcome refuses
+    /// ([`Error::InvalidInput`]): start the run again to learn where it stands. A
+    /// heartbeat whose own commit reply was lost leaves the lease unknown and nothing
+    /// else: the handle goes on.
     pub async fn heartbeat<E>(&mut self) -> Result<(), Error<E>> {
-        let (point, state) = (self.point.clone(), self.state.clone());
+        self.not_unknown()?;
+        if self.finished.is_some() {
+            return Ok(());
+        }
         let lease = self.idem.lease();
-        self.write_alone(&point, state.as_deref(), lease).await
+        self.lease_alone(lease).await
     }
 
     /// Ends the lease now, so the next retry resumes the run at once instead of waiting
     /// for the lease to run out. Call it when the run cannot go on now (an external
-    /// system is down). Harmless when the run was taken over or finished.
+    /// system is down). Only the lease is written, guarded by this owner's token and
+    /// fence. Harmless when the run was taken over or finished. After a phase or answer
+    /// whose commit outcome is unknown it writes nothing (the retry then waits for the
+    /// lease to run out, and resumes where the run really is).
     pub async fn release(&mut self) -> Result<(), DbError> {
-        if self.finished.is_some() {
+        if self.finished.is_some() || self.unknown {
             return Ok(());
         }
-        let (point, state) = (self.point.clone(), self.state.clone());
         match self
-            .write_alone::<std::convert::Infallible>(&point, state.as_deref(), Duration::ZERO)
+            .lease_alone::<std::convert::Infallible>(Duration::ZERO)
             .await
         {
             Ok(()) | Err(Error::LeaseLost { .. }) => Ok(()),
@@ -249,9 +267,15 @@ impl<B: RunStore> Run<B> {
     {
         check_point(point)?;
         self.not_finished()?;
-        let (state, json) = self.commit_with(&mut effect, point, None).await?;
+        let span = self.span("phase");
+        let (state, json) = self
+            .commit_with(&mut effect, point, None)
+            .instrument(span.clone())
+            .await
+            .inspect_err(|e| observe::run_call_failed(&span, e))?;
         self.point = point.to_owned();
         self.state = Some(json);
+        observe::run_phase(&span, self.idem.backend().engine(), point);
         Ok(state)
     }
 
@@ -286,15 +310,36 @@ impl<B: RunStore> Run<B> {
     {
         self.not_finished()?;
         let point = self.point.clone();
-        let (r, json) = self.commit_with(&mut effect, &point, Some(status)).await?;
+        let span = self.span(match status {
+            Status::Succeeded => "finish",
+            Status::Rejected => "fail",
+        });
+        let (r, json) = self
+            .commit_with(&mut effect, &point, Some(status))
+            .instrument(span.clone())
+            .await
+            .inspect_err(|e| observe::run_call_failed(&span, e))?;
         self.finished = Some(Finished {
             status,
             response: json,
         });
+        observe::run_finished(&span, self.idem.backend().engine(), status);
         Ok(r)
     }
 
-    fn not_finished<E>(&self) -> Result<(), Error<E>> {
+    /// The span of one call on this run.
+    fn span(&self, call: &'static str) -> tracing::Span {
+        observe::run_span(
+            call,
+            self.idem.backend().engine(),
+            &self.scope,
+            &self.key,
+            &self.point,
+            self.fence,
+        )
+    }
+
+    fn not_unknown<E>(&self) -> Result<(), Error<E>> {
         if self.unknown {
             return Err(Error::InvalidInput(InvalidInput::new(
                 "run",
@@ -302,6 +347,11 @@ impl<B: RunStore> Run<B> {
                  again (Idem::start) to learn its recovery point",
             )));
         }
+        Ok(())
+    }
+
+    fn not_finished<E>(&self) -> Result<(), Error<E>> {
+        self.not_unknown()?;
         if self.finished.is_some() {
             return Err(Error::InvalidInput(InvalidInput::new(
                 "run",
@@ -367,13 +417,19 @@ impl<B: RunStore> Run<B> {
                 response: end.map(|_| json.as_str()),
                 lease: idem.lease(),
             };
+            let guard = RunGuard {
+                owner: &self.owner,
+                fence: self.fence,
+                point: &self.point,
+            };
             let written = backend
-                .write_run(&mut tx, &self.scope, &self.key, &self.owner, &write)
+                .write_run(&mut tx, &self.scope, &self.key, &guard, &write)
                 .await;
             match written {
                 Ok(true) => {}
                 Ok(false) => {
                     let _ = backend.rollback_runs(tx).await;
+                    observe::run_lease_lost(backend.engine(), self.fence);
                     return Err(Error::LeaseLost { fence: self.fence });
                 }
                 Err(e) => {
@@ -386,43 +442,42 @@ impl<B: RunStore> Run<B> {
                 }
             }
             match backend.commit_runs(tx).await {
-                Ok(()) => return Ok((value, json)),
+                Ok(()) => {
+                    self.commits += 1;
+                    return Ok((value, json));
+                }
                 Err(e) if e.kind().is_retryable() => idem.pause(attempt, e).await?,
                 Err(e) => {
-                    // The commit may have happened: never run this phase again from
-                    // this handle (its effect could apply twice).
+                    // The commit may have happened: this handle no longer knows the
+                    // run's point, so it writes nothing more (its phase could apply
+                    // twice, or a write of the old point could move the run back).
                     self.unknown = true;
+                    observe::run_unknown_commit(backend.engine(), &e);
                     return Err(Error::Backend(e));
                 }
             }
         }
     }
 
-    /// A guarded write of the row alone (heartbeat, release).
-    async fn write_alone<E>(
-        &mut self,
-        point: &str,
-        state: Option<&str>,
-        lease: Duration,
-    ) -> Result<(), Error<E>> {
+    /// The lease alone (heartbeat, release), guarded by this owner's token and fence.
+    async fn lease_alone<E>(&mut self, lease: Duration) -> Result<(), Error<E>> {
         let backend = self.idem.backend();
         let mut tx = backend.begin_runs(None).await?;
-        let write = RunWrite {
-            owner: &self.owner,
-            fence: self.fence,
-            point,
-            state,
-            status: None,
-            response: None,
-            lease,
-        };
         match backend
-            .write_run(&mut tx, &self.scope, &self.key, &self.owner, &write)
+            .renew_lease(
+                &mut tx,
+                &self.scope,
+                &self.key,
+                &self.owner,
+                self.fence,
+                lease,
+            )
             .await
         {
             Ok(true) => backend.commit_runs(tx).await.map_err(Error::Backend),
             Ok(false) => {
                 let _ = backend.rollback_runs(tx).await;
+                observe::run_lease_lost(backend.engine(), self.fence);
                 Err(Error::LeaseLost { fence: self.fence })
             }
             Err(e) => {
@@ -493,9 +548,37 @@ impl<B: RunStore> Idem<B> {
         key: &Key,
         request: &Request,
     ) -> Result<Started<B>, Error<E>> {
+        let span = observe::run_span("start", self.backend().engine(), scope, key, "", 0);
+        let result = self
+            .start_bounded(scope, key, request)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(Started::Run(run)) => {
+                observe::run_owned(
+                    &span,
+                    self.backend().engine(),
+                    run.resumed,
+                    run.fence,
+                    &run.point,
+                );
+            }
+            Ok(Started::Finished(_)) => observe::run_replayed(&span),
+            Err(e) => observe::run_call_failed(&span, e),
+        }
+        result
+    }
+
+    async fn start_bounded<E>(
+        &self,
+        scope: &Scope,
+        key: &Key,
+        request: &Request,
+    ) -> Result<Started<B>, Error<E>> {
         request.check("request", self.max_request_bytes())?;
         crate::protocol::check_retention("operation retention", scope.operation.retention())?;
         self.check_lease()?;
+        self.check_lease_within(scope.operation.retention())?;
         let text = request.to_json();
         let began = Instant::now();
         let mut attempt = 0;
@@ -521,7 +604,24 @@ impl<B: RunStore> Idem<B> {
                     });
                 }
                 Err(StartError::Db(e)) if e.kind() == ErrorKind::LockTimeout => {
-                    return Err(Error::InProgress {
+                    // The wait bound ran out on a lock: the run's holder, or something
+                    // else holding idem's table? A short probe tells them apart.
+                    return Err(match self.who_held(scope, key).await {
+                        RunProbe::Held => Error::InProgress {
+                            waited: began.elapsed(),
+                        },
+                        RunProbe::Free => Error::LockWait {
+                            waited: began.elapsed(),
+                        },
+                    });
+                }
+                Err(StartError::Db(e))
+                    if e.kind() == ErrorKind::Busy && began.elapsed() >= self.wait_timeout() =>
+                {
+                    // SQLite: another writer held the database's only write lock past
+                    // the bound. idem's own run transactions are short, and a live owner
+                    // is found from its lease, not from a lock: something else held it.
+                    return Err(Error::LockWait {
                         waited: began.elapsed(),
                     });
                 }
@@ -538,6 +638,20 @@ impl<B: RunStore> Idem<B> {
                 }
             }
         }
+    }
+
+    /// After a lock wait of a start ran out: whether another transaction holds the run's
+    /// row ([`RunProbe::Held`]) or something else kept the start waiting. The probe has a
+    /// short bound of its own; a probe that waits too, or fails, means something else.
+    async fn who_held(&self, scope: &Scope, key: &Key) -> RunProbe {
+        let bound = self.wait_timeout().min(PROBE_WAIT);
+        let backend = self.backend();
+        let Ok(mut tx) = backend.begin_runs(Some(bound)).await else {
+            return RunProbe::Free;
+        };
+        let probe = backend.probe_run(&mut tx, scope, key).await;
+        let _ = backend.rollback_runs(tx).await;
+        probe.unwrap_or(RunProbe::Free)
     }
 
     /// One start transaction: `Ok(None)` when the owner's lease is live.
@@ -592,6 +706,7 @@ impl<B: RunStore> Idem<B> {
                 resumed: false,
                 finished: None,
                 unknown: false,
+                commits: 0,
             })))
         };
         fn new_run<'r>(
@@ -679,7 +794,17 @@ impl<B: RunStore> Idem<B> {
             lease: self.lease(),
         };
         if !backend
-            .write_run(tx, scope, key, &row.owner, &write)
+            .write_run(
+                tx,
+                scope,
+                key,
+                &RunGuard {
+                    owner: &row.owner,
+                    fence: row.fence,
+                    point: &row.point,
+                },
+                &write,
+            )
             .await?
         {
             return Err(StartError::Db(DbError::new(
@@ -700,6 +825,7 @@ impl<B: RunStore> Idem<B> {
             resumed: true,
             finished: None,
             unknown: false,
+            commits: 0,
         })))
     }
 
@@ -761,7 +887,18 @@ impl<B: RunStore> Idem<B> {
             };
             let scope = Scope::new(principal, operation);
             let mut run = match self.start_once(&scope, &key, None).await {
-                Ok(Some(Started::Run(run))) => run,
+                Ok(Some(Started::Run(run))) => {
+                    let span = observe::run_span(
+                        "complete",
+                        self.backend().engine(),
+                        &scope,
+                        &key,
+                        &run.point,
+                        run.fence,
+                    );
+                    observe::run_owned(&span, self.backend().engine(), true, run.fence, &run.point);
+                    run
+                }
                 Ok(_) => {
                     entry.busy += 1;
                     continue;
@@ -792,6 +929,25 @@ impl<B: RunStore> Idem<B> {
         Ok(report)
     }
 
+    /// A run's record must outlive its owner's lease: an expired run is replaced by the
+    /// next start, so a retention shorter than the lease would let a retry start the
+    /// whole run again while its owner is still working.
+    fn check_lease_within(&self, retention: Duration) -> Result<(), InvalidInput> {
+        if retention < self.lease() {
+            return Err(InvalidInput::new(
+                "operation retention",
+                format!(
+                    "{retention:?} is shorter than the lease of a phased run ({:?}): the \
+                     record would expire while its owner may still be working, and a \
+                     retry would start the run again (choose a retention far longer than \
+                     the lease)",
+                    self.lease()
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     fn check_lease(&self) -> Result<(), InvalidInput> {
         if self.lease() < MIN_LEASE {
             return Err(InvalidInput::new(
@@ -807,21 +963,23 @@ impl<B: RunStore> Idem<B> {
 }
 
 /// Calls `step` until the run has its final answer. On an error the lease is released
-/// (unless it was lost) so the next retry resumes at once.
+/// (unless it was lost, or the handle no longer knows the run's point) so the next retry
+/// resumes at once. A step that commits nothing is an error (it would be called forever);
+/// a step that commits the same point and state again (a batch loop) is fine.
 async fn drive<B, E, S>(run: &mut Run<B>, step: &mut S) -> Result<(), Error<E>>
 where
     B: RunStore,
     S: for<'r> FnMut(&'r mut Run<B>) -> BoxFuture<'r, Result<(), Error<E>>> + Send,
 {
     while run.finished.is_none() {
-        let before = (run.point.clone(), run.state.clone());
+        let before = run.commits;
         if let Err(e) = step(run).await {
             if !matches!(e, Error::LeaseLost { .. }) {
                 let _ = run.release().await;
             }
             return Err(e);
         }
-        if run.finished.is_none() && (run.point.clone(), run.state.clone()) == before {
+        if run.finished.is_none() && run.commits == before {
             let _ = run.release().await;
             return Err(stalled_error());
         }

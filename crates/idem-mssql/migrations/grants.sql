@@ -1,7 +1,7 @@
 -- idem: least-privilege roles for SQL Server 2019+ (written from the documentation; not
 -- verified live here). Not a migration: run it with sqlcmd (batches end with GO) as the
 -- owner (db_owner) of idem's tables, in their database and default schema, AFTER the
--- migrations (0001 to 0003). It is idempotent.
+-- migrations (0001 to 0004). It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
 --                (INSERT), complete a placeholder and take over an EXPIRED record
@@ -10,9 +10,11 @@
 --                Phased runs and the outbox (Idem::start, Run, Idem::relay): read,
 --                insert, update and delete runs (a run's row is rewritten by every
 --                phase, and an expired one is deleted and started again); read, insert
---                and update outbox messages (enqueue, mark sent).
+--                and update outbox messages (enqueue, the relay's claims and outcomes,
+--                Idem::outbox_retry / `idem outbox retry`).
 --   idem_purger  what `idem purge` / Idem::purge need: read and delete records, runs
---                and sent outbox messages.
+--                and sent outbox messages; also what `idem outbox drop` /
+--                Idem::outbox_drop needs (DELETE of unsent outbox messages).
 --
 -- Database roles: add your application's database users to them
 -- (ALTER ROLE idem_writer ADD MEMBER app_user;).

@@ -204,6 +204,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_runs_and_outbox.sql",
         sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_outbox_retries.sql",
+        sql: include_str!("../migrations/0004_outbox_retries.sql"),
+    },
 ];
 
 /// The longest retention expressed exactly: 700,000 days (about 1,916 years). Longer
@@ -960,7 +965,7 @@ mod tests {
 
     #[test]
     fn migration_0003_creates_runs_and_the_outbox_guarded() {
-        assert_eq!(MIGRATIONS.len(), 3);
+        assert_eq!(MIGRATIONS.len(), 4);
         assert_eq!(MIGRATIONS[2].version, 3);
         let statements = MIGRATIONS[2].statements();
         assert_eq!(statements.len(), 6, "{statements:#?}");

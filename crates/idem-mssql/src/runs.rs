@@ -20,7 +20,10 @@
 
 use std::time::Duration;
 
-use idem_core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem_core::runs::{
+    DueRow, NewRun, OutboxEntry, OutboxFilter, OutboxRow, OutboxStats, RunGuard, RunProbe, RunRow,
+    RunWrite, StalledRow,
+};
 use idem_core::{DbError, ErrorKind, Key, OutboxStore, Outgoing, RunStore, Scope, Status};
 use tiberius::{Row, ToSql};
 
@@ -77,13 +80,46 @@ fn run_row(row: &Row) -> Result<RunRow, DbError> {
     })
 }
 
-fn outbox_row(row: &Row) -> Result<OutboxRow, DbError> {
-    Ok(OutboxRow {
+fn due_row(row: &Row) -> Result<DueRow, DbError> {
+    Ok(DueRow {
+        row: OutboxRow {
+            id: bigint(row, 0, "id")?,
+            destination: bytes_text(row, 1, "destination")?,
+            message_id: bytes_text(row, 2, "message_id")?,
+            payload: required(row, 3, "payload")?,
+        },
+        attempts: bigint(row, 4, "attempts")?,
+    })
+}
+
+fn int(row: &Row, idx: usize, what: &str) -> Result<i32, DbError> {
+    row.try_get::<i32, _>(idx)
+        .map_err(|e| db_error_in("reading outbox messages", e))?
+        .ok_or_else(|| read_error(&format!("NULL {what}")))
+}
+
+fn optional_bigint(row: &Row, idx: usize) -> Result<Option<i64>, DbError> {
+    row.try_get::<i64, _>(idx)
+        .map_err(|e| db_error_in("reading outbox messages", e))
+}
+
+fn entry(row: &Row) -> Result<OutboxEntry, DbError> {
+    Ok(OutboxEntry {
         id: bigint(row, 0, "id")?,
         destination: bytes_text(row, 1, "destination")?,
         message_id: bytes_text(row, 2, "message_id")?,
-        payload: required(row, 3, "payload")?,
+        attempts: bigint(row, 3, "attempts")?,
+        dead: int(row, 4, "dead")? == 1,
+        last_error: text(row, 5)?,
+        age: duration_of(bigint(row, 6, "age")?),
+        next_attempt_in: optional_bigint(row, 7)?.map(duration_of),
+        claimed: int(row, 8, "claimed")? == 1,
     })
+}
+
+/// A span of microseconds from the database clock; a negative one is zero.
+fn duration_of(micros: i64) -> Duration {
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }
 
 impl RunStore for MssqlBackend {
@@ -181,7 +217,7 @@ impl RunStore for MssqlBackend {
         tx: &mut MssqlTx,
         scope: &Scope,
         key: &Key,
-        expected: &str,
+        expected: &RunGuard<'_>,
         write: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
         let (principal, operation, key) = (
@@ -189,14 +225,14 @@ impl RunStore for MssqlBackend {
             scope.operation.as_str().as_bytes(),
             key.as_str().as_bytes(),
         );
-        let (expected, owner) = (expected.as_bytes(), write.owner.as_bytes());
+        let (expected_owner, owner) = (expected.owner.as_bytes(), write.owner.as_bytes());
         let status = write.status.map(Status::code);
         let (ld, ls, lm) = cutoff_parts(write.lease);
-        let params: [&dyn ToSql; 13] = [
+        let params: [&dyn ToSql; 15] = [
             &principal,
             &operation,
             &key,
-            &expected,
+            &expected_owner,
             &owner,
             &write.fence,
             &write.point,
@@ -206,6 +242,8 @@ impl RunStore for MssqlBackend {
             &ld,
             &ls,
             &lm,
+            &expected.fence,
+            &expected.point,
         ];
         let n = tx
             .lease
@@ -213,6 +251,62 @@ impl RunStore for MssqlBackend {
             .await
             .map_err(|e| db_error_in("writing the run", e))?;
         Ok(n == 1)
+    }
+
+    async fn renew_lease(
+        &self,
+        tx: &mut MssqlTx,
+        scope: &Scope,
+        key: &Key,
+        owner: &str,
+        fence: i64,
+        lease: Duration,
+    ) -> Result<bool, DbError> {
+        let (principal, operation, key) = (
+            scope.principal.as_str().as_bytes(),
+            scope.operation.as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        );
+        let owner = owner.as_bytes();
+        let (ld, ls, lm) = cutoff_parts(lease);
+        let params: [&dyn ToSql; 8] = [&principal, &operation, &key, &owner, &fence, &ld, &ls, &lm];
+        let n = tx
+            .lease
+            .execute(sql::RENEW_LEASE, &params)
+            .await
+            .map_err(|e| db_error_in("renewing the run's lease", e))?;
+        Ok(n == 1)
+    }
+
+    async fn probe_run(
+        &self,
+        tx: &mut MssqlTx,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<RunProbe, DbError> {
+        let (principal, operation, key) = (
+            scope.principal.as_str().as_bytes(),
+            scope.operation.as_str().as_bytes(),
+            key.as_str().as_bytes(),
+        );
+        let free = tx
+            .lease
+            .query_row(sql::PROBE_RUN_LOCK, &[&principal, &operation, &key])
+            .await
+            .map_err(|e| db_error_in("probing the run", e))?;
+        if free.is_some() {
+            return Ok(RunProbe::Free);
+        }
+        let exists = tx
+            .lease
+            .query_row(sql::PROBE_RUN_EXISTS, &[&principal, &operation, &key])
+            .await
+            .map_err(|e| db_error_in("probing the run", e))?;
+        Ok(if exists.is_some() {
+            RunProbe::Held
+        } else {
+            RunProbe::Free
+        })
     }
 
     async fn delete_run(
@@ -270,16 +364,16 @@ impl OutboxStore for MssqlBackend {
             .map_err(|e| db_error_in("storing an outbox message", e))
     }
 
-    async fn lock_unsent(&self, tx: &mut MssqlTx, limit: u32) -> Result<Vec<OutboxRow>, DbError> {
+    async fn lock_due(&self, tx: &mut MssqlTx, limit: u32) -> Result<Vec<DueRow>, DbError> {
         let rows = tx
             .lease
-            .query_all(sql::LOCK_UNSENT, &[&i64::from(limit)])
+            .query_all(sql::LOCK_DUE, &[&i64::from(limit)])
             .await
-            .map_err(|e| db_error_in("locking unsent outbox messages", e))?;
-        rows.iter().map(outbox_row).collect()
+            .map_err(|e| db_error_in("locking due outbox messages", e))?;
+        rows.iter().map(due_row).collect()
     }
 
-    async fn unsent_ids(
+    async fn pending_ids(
         &self,
         tx: &mut MssqlTx,
         destination: &str,
@@ -288,22 +382,137 @@ impl OutboxStore for MssqlBackend {
         let destination = destination.as_bytes();
         let rows = tx
             .lease
-            .query_all(sql::UNSENT_IDS, &[&destination, &up_to])
+            .query_all(sql::PENDING_IDS, &[&destination, &up_to])
             .await
-            .map_err(|e| db_error_in("reading unsent outbox ids", e))?;
+            .map_err(|e| db_error_in("reading pending outbox ids", e))?;
         rows.iter().map(|row| bigint(row, 0, "id")).collect()
     }
 
-    async fn mark_sent(&self, tx: &mut MssqlTx, ids: &[i64]) -> Result<(), DbError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let params: Vec<&dyn ToSql> = ids.iter().map(|id| id as &dyn ToSql).collect();
+    async fn claim_due(
+        &self,
+        tx: &mut MssqlTx,
+        ids: &[i64],
+        token: &str,
+        lease: Duration,
+    ) -> Result<(), DbError> {
+        let token = token.as_bytes();
+        let (ld, ls, lm) = cutoff_parts(lease);
+        let mut params: Vec<&dyn ToSql> = vec![&token, &ld, &ls, &lm];
+        params.extend(ids.iter().map(|id| id as &dyn ToSql));
+        tx.lease
+            .execute(&sql::claim_due(ids.len()), &params)
+            .await
+            .map(drop)
+            .map_err(|e| db_error_in("claiming outbox messages", e))
+    }
+
+    async fn release(&self, tx: &mut MssqlTx, ids: &[i64], token: &str) -> Result<(), DbError> {
+        let token = token.as_bytes();
+        let mut params: Vec<&dyn ToSql> = vec![&token];
+        params.extend(ids.iter().map(|id| id as &dyn ToSql));
+        tx.lease
+            .execute(&sql::release(ids.len()), &params)
+            .await
+            .map(drop)
+            .map_err(|e| db_error_in("giving back outbox messages", e))
+    }
+
+    async fn mark_sent(&self, tx: &mut MssqlTx, ids: &[i64], token: &str) -> Result<u64, DbError> {
+        let token = token.as_bytes();
+        let mut params: Vec<&dyn ToSql> = vec![&token];
+        params.extend(ids.iter().map(|id| id as &dyn ToSql));
         tx.lease
             .execute(&sql::mark_sent(ids.len()), &params)
             .await
-            .map(drop)
             .map_err(|e| db_error_in("marking outbox messages sent", e))
+    }
+
+    async fn record_failure(
+        &self,
+        tx: &mut MssqlTx,
+        id: i64,
+        token: &str,
+        error: &str,
+        retry_in: Option<Duration>,
+    ) -> Result<bool, DbError> {
+        let token = token.as_bytes();
+        let n = match retry_in {
+            Some(delay) => {
+                let (dd, ds, dm) = cutoff_parts(delay);
+                let params: [&dyn ToSql; 6] = [&error, &dd, &ds, &dm, &id, &token];
+                tx.lease.execute(sql::RETRY_LATER, &params).await
+            }
+            None => {
+                let params: [&dyn ToSql; 3] = [&error, &id, &token];
+                tx.lease.execute(sql::BURY, &params).await
+            }
+        }
+        .map_err(|e| db_error_in("recording a failed outbox attempt", e))?;
+        Ok(n == 1)
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let row = lease
+            .query_row(sql::OUTBOX_STATS, &[])
+            .await
+            .map_err(|e| db_error_in("counting the outbox", e))?;
+        drop(lease);
+        let Some(row) = row else {
+            return Ok(OutboxStats::default());
+        };
+        Ok(OutboxStats {
+            pending: u64::try_from(bigint(&row, 0, "pending")?).unwrap_or(0),
+            dead: u64::try_from(bigint(&row, 1, "dead")?).unwrap_or(0),
+            oldest_pending_age: optional_bigint(&row, 2)?.map(duration_of),
+        })
+    }
+
+    async fn list_outbox(&self, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>, DbError> {
+        let state = filter.state.code();
+        let destination = filter.destination.as_deref().map(str::as_bytes);
+        let limit = i64::from(filter.limit);
+        let params: [&dyn ToSql; 4] = [&state, &destination, &filter.after_id, &limit];
+        let mut lease = self.pool.acquire().await?;
+        let rows = lease
+            .query_all(sql::LIST_OUTBOX, &params)
+            .await
+            .map_err(|e| db_error_in("listing outbox messages", e))?;
+        drop(lease);
+        rows.iter().map(entry).collect()
+    }
+
+    async fn retry_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        self.operator_write(ids, destination, sql::retry_ids, sql::RETRY_DEAD)
+            .await
+    }
+
+    async fn drop_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        self.operator_write(ids, destination, sql::drop_ids, sql::DROP_DEAD)
+            .await
+    }
+}
+
+impl MssqlBackend {
+    /// One autocommit statement of an operator: over `ids`, or over every dead message
+    /// (of `destination`).
+    async fn operator_write(
+        &self,
+        ids: &[i64],
+        destination: Option<&str>,
+        by_ids: fn(usize) -> String,
+        dead: &str,
+    ) -> Result<u64, DbError> {
+        let mut lease = self.pool.acquire().await?;
+        let n = if ids.is_empty() {
+            let d = destination.map(str::as_bytes);
+            lease.execute(dead, &[&d]).await
+        } else {
+            let params: Vec<&dyn ToSql> = ids.iter().map(|id| id as &dyn ToSql).collect();
+            lease.execute(&by_ids(ids.len()), &params).await
+        }
+        .map_err(|e| db_error_in("changing outbox messages", e))?;
+        Ok(n)
     }
 }
 

@@ -222,10 +222,11 @@ pub(crate) const SELECT_RUN: &str = concat!(
      FROM idem_run WITH (UPDLOCK, HOLDLOCK, ROWLOCK) WHERE ",
     request_pk!()
 );
-/// The guarded write: changes the row only while its owner is the expected one and it
-/// has no final answer. SQL Server counts the rows the `WHERE` matched. Params:
-/// principal, operation, key, expected owner, owner, fence, point, state, status,
-/// response, lease (days, seconds, microseconds).
+/// The guarded write, a compare-and-set: changes the row only while it holds the
+/// expected owner, fence and point and has no final answer. SQL Server counts the rows
+/// the `WHERE` matched. Params: principal, operation, key, expected owner, owner, fence,
+/// point, state, status, response, lease (days, seconds, microseconds), expected fence,
+/// expected point.
 pub(crate) const WRITE_RUN: &str = concat!(
     counted!(),
     "UPDATE idem_run SET owner = @P5, fence = @P6, point = @P7, state = @P8, status = @P9, \
@@ -233,7 +234,17 @@ pub(crate) const WRITE_RUN: &str = concat!(
     expiry!(11, 12, 13),
     ", updated_at = SYSUTCDATETIME() WHERE ",
     request_pk!(),
-    " AND owner = @P4 AND status IS NULL"
+    " AND owner = @P4 AND fence = @P14 AND point = @P15 AND status IS NULL"
+);
+/// The lease alone (heartbeat, release): never the point or the state. Params:
+/// principal, operation, key, owner, fence, lease (days, seconds, microseconds).
+pub(crate) const RENEW_LEASE: &str = concat!(
+    counted!(),
+    "UPDATE idem_run SET lease_until = ",
+    expiry!(6, 7, 8),
+    " WHERE ",
+    request_pk!(),
+    " AND owner = @P4 AND fence = @P5 AND status IS NULL"
 );
 /// Deletes a run while its owner is the expected one (an expired run being replaced).
 /// Params: principal, operation, key, expected owner.
@@ -243,6 +254,17 @@ pub(crate) const DELETE_RUN: &str = concat!(
     request_pk!(),
     " AND owner = @P4"
 );
+/// After a start's lock wait ran out: the run's row, unless another transaction holds
+/// it (`READPAST` skips a locked row). Params: principal, operation, key.
+pub(crate) const PROBE_RUN_LOCK: &str = concat!(
+    "SELECT 1 FROM idem_run WITH (UPDLOCK, READPAST, ROWLOCK) WHERE ",
+    request_pk!()
+);
+/// Whether a row of the run exists, an uncommitted one included (`NOLOCK`: never waits
+/// for row locks; a concurrent start's insert counts as held). Params: principal,
+/// operation, key.
+pub(crate) const PROBE_RUN_EXISTS: &str =
+    concat!("SELECT 1 FROM idem_run WITH (NOLOCK) WHERE ", request_pk!());
 /// Unexpired runs without a final answer whose lease ended, the longest-stalled first:
 /// an autocommit read pinned to READ COMMITTED (inside `sp_executesql` the SET lasts
 /// for this call). Params: limit.
@@ -255,21 +277,123 @@ pub(crate) const STALLED_RUNS: &str = "SET TRANSACTION ISOLATION LEVEL READ COMM
 /// payload.
 pub(crate) const ENQUEUE: &str =
     "INSERT INTO idem_outbox (destination, message_id, payload) VALUES (@P1, @P2, @P3)";
-/// Locks the oldest unsent messages, skipping rows other transactions hold (another
-/// relay's, or a producer's uncommitted insert). Params: limit.
-pub(crate) const LOCK_UNSENT: &str = "SELECT TOP (@P1) id, destination, message_id, payload \
-     FROM idem_outbox WITH (UPDLOCK, READPAST, ROWLOCK) WHERE sent_at IS NULL ORDER BY id";
-/// Every unsent message of a destination up to an id, rows other relays hold included
+/// Locks the oldest due messages, skipping rows other transactions hold (another
+/// relay's, or a producer's uncommitted insert). Due: unsent, not dead, the next
+/// attempt's time passed, no unexpired claim, and no older pending message of the
+/// destination that is not due or is claimed. Params: limit.
+pub(crate) const LOCK_DUE: &str = "SELECT TOP (@P1) o.id, o.destination, o.message_id, o.payload, \
+     CAST(o.attempts AS bigint) FROM idem_outbox AS o WITH (UPDLOCK, READPAST, ROWLOCK) \
+     WHERE o.sent_at IS NULL AND o.dead_at IS NULL \
+     AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= SYSUTCDATETIME()) \
+     AND (o.claimed_until IS NULL OR o.claimed_until <= SYSUTCDATETIME()) \
+     AND NOT EXISTS (SELECT 1 FROM idem_outbox AS b WHERE b.destination = o.destination \
+     AND b.id < o.id AND b.sent_at IS NULL AND b.dead_at IS NULL \
+     AND (b.next_attempt_at > SYSUTCDATETIME() OR b.claimed_until > SYSUTCDATETIME())) \
+     ORDER BY o.id";
+/// Every pending message of a destination up to an id, rows other relays hold included
 /// (a plain READ COMMITTED read: a shared lock is compatible with their update locks,
 /// and READ_COMMITTED_SNAPSHOT reads versions). Params: destination, up to (id).
-pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
-     WHERE destination = @P1 AND sent_at IS NULL AND id <= @P2 ORDER BY id";
-/// The start of [`mark_sent`]'s statement.
-pub(crate) const MARK_SENT: &str =
-    "UPDATE idem_outbox SET sent_at = SYSUTCDATETIME() WHERE id IN (";
-/// Marks `n` messages sent: [`MARK_SENT`] with `@P1 … @Pn` (`n` ≥ 1). Params: the ids.
+pub(crate) const PENDING_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = @P1 AND sent_at IS NULL AND dead_at IS NULL AND id <= @P2 ORDER BY id";
+/// The start of [`claim_due`]'s statement. Params: token, lease (days, seconds,
+/// microseconds), then the ids.
+pub(crate) const CLAIM_DUE: &str = concat!(
+    "UPDATE idem_outbox SET claim_token = @P1, claimed_until = ",
+    expiry!(2, 3, 4),
+    ", attempts = attempts + 1 WHERE sent_at IS NULL AND id IN ("
+);
+/// The start of [`release`]'s statement. Params: token, then the ids.
+pub(crate) const RELEASE: &str = "UPDATE idem_outbox SET claim_token = NULL, claimed_until = NULL, \
+     attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END \
+     WHERE sent_at IS NULL AND claim_token = @P1 AND id IN (";
+/// The start of [`mark_sent`]'s statement. Params: token, then the ids.
+pub(crate) const MARK_SENT: &str = concat!(
+    counted!(),
+    "UPDATE idem_outbox SET sent_at = SYSUTCDATETIME(), claim_token = NULL, claimed_until = NULL \
+     WHERE sent_at IS NULL AND claim_token = @P1 AND id IN ("
+);
+/// A failed attempt with attempts left: tried again after the delay. Only the pass's own
+/// claim, or no unexpired claim. Params: error, delay (days, seconds, microseconds), id,
+/// token.
+pub(crate) const RETRY_LATER: &str = concat!(
+    counted!(),
+    "UPDATE idem_outbox SET last_error = @P1, next_attempt_at = ",
+    expiry!(2, 3, 4),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = @P5 AND sent_at IS NULL \
+     AND (claim_token = @P6 OR claimed_until IS NULL OR claimed_until <= SYSUTCDATETIME())"
+);
+/// A failed attempt with none left: dead. Params: error, id, token.
+pub(crate) const BURY: &str = concat!(
+    counted!(),
+    "UPDATE idem_outbox SET last_error = @P1, dead_at = SYSUTCDATETIME(), claim_token = NULL, \
+     claimed_until = NULL WHERE id = @P2 AND sent_at IS NULL \
+     AND (claim_token = @P3 OR claimed_until IS NULL OR claimed_until <= SYSUTCDATETIME())"
+);
+/// The backlog: pending messages, dead ones, the oldest pending one's age (µs).
+pub(crate) const OUTBOX_STATS: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+     SELECT CAST(COUNT(CASE WHEN dead_at IS NULL THEN 1 END) AS bigint), \
+     CAST(COUNT(dead_at) AS bigint), MAX(CASE WHEN dead_at IS NULL \
+     THEN DATEDIFF_BIG(microsecond, created_at, SYSUTCDATETIME()) END) \
+     FROM idem_outbox WHERE sent_at IS NULL";
+/// Unsent messages for an operator. Params: state (0 unsent, 1 pending, 2 dead),
+/// destination or NULL, after id, limit.
+pub(crate) const LIST_OUTBOX: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; \
+     SELECT TOP (@P4) id, destination, message_id, CAST(attempts AS bigint), \
+     CASE WHEN dead_at IS NULL THEN 0 ELSE 1 END, last_error, \
+     DATEDIFF_BIG(microsecond, created_at, SYSUTCDATETIME()), \
+     CASE WHEN next_attempt_at > SYSUTCDATETIME() \
+     THEN DATEDIFF_BIG(microsecond, SYSUTCDATETIME(), next_attempt_at) END, \
+     CASE WHEN claimed_until > SYSUTCDATETIME() THEN 1 ELSE 0 END \
+     FROM idem_outbox WHERE sent_at IS NULL \
+     AND (@P1 = 0 OR (@P1 = 1 AND dead_at IS NULL) OR (@P1 = 2 AND dead_at IS NOT NULL)) \
+     AND (@P2 IS NULL OR destination = @P2) AND id > @P3 ORDER BY id";
+/// The start of [`retry_ids`]'s statement: back to pending, due now, attempts reset.
+pub(crate) const RETRY_IDS: &str = concat!(
+    counted!(),
+    "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, attempts = 0 \
+     WHERE sent_at IS NULL AND id IN ("
+);
+/// Every dead message back to pending. Params: destination or NULL.
+pub(crate) const RETRY_DEAD: &str = concat!(
+    counted!(),
+    "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, attempts = 0 \
+     WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (@P1 IS NULL OR destination = @P1)"
+);
+/// The start of [`drop_ids`]'s statement: deletes unsent messages.
+pub(crate) const DROP_IDS: &str = concat!(
+    counted!(),
+    "DELETE FROM idem_outbox WHERE sent_at IS NULL AND id IN ("
+);
+/// Deletes every dead message. Params: destination or NULL.
+pub(crate) const DROP_DEAD: &str = concat!(
+    counted!(),
+    "DELETE FROM idem_outbox WHERE sent_at IS NULL AND dead_at IS NOT NULL \
+     AND (@P1 IS NULL OR destination = @P1)"
+);
+
+/// `prefix` + `@P{first}` … `@P{first + n - 1}` + `)` (`n` ≥ 1).
+fn with_ids(prefix: &str, n: usize, first: usize) -> String {
+    idem_core::runs::in_list(prefix, n, |i| format!("@P{}", i + first - 1))
+}
+/// Claims `n` messages: [`CLAIM_DUE`], the ids from `@P5`.
+pub(crate) fn claim_due(n: usize) -> String {
+    with_ids(CLAIM_DUE, n, 5)
+}
+/// Gives back `n` messages: [`RELEASE`], the ids from `@P2`.
+pub(crate) fn release(n: usize) -> String {
+    with_ids(RELEASE, n, 2)
+}
+/// Marks `n` messages sent: [`MARK_SENT`], the ids from `@P2`.
 pub(crate) fn mark_sent(n: usize) -> String {
-    idem_core::runs::in_list(MARK_SENT, n, |i| format!("@P{i}"))
+    with_ids(MARK_SENT, n, 2)
+}
+/// Retries `n` messages: [`RETRY_IDS`], the ids from `@P1`.
+pub(crate) fn retry_ids(n: usize) -> String {
+    with_ids(RETRY_IDS, n, 1)
+}
+/// Drops `n` messages: [`DROP_IDS`], the ids from `@P1`.
+pub(crate) fn drop_ids(n: usize) -> String {
+    with_ids(DROP_IDS, n, 1)
 }
 
 /// One bounded batch of runs that are expired **and** were started at least the given
@@ -333,11 +457,20 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_run", INSERT_RUN),
     ("select_run", SELECT_RUN),
     ("write_run", WRITE_RUN),
+    ("renew_lease", RENEW_LEASE),
     ("delete_run", DELETE_RUN),
+    ("probe_run_lock", PROBE_RUN_LOCK),
+    ("probe_run_exists", PROBE_RUN_EXISTS),
     ("stalled_runs", STALLED_RUNS),
     ("enqueue", ENQUEUE),
-    ("lock_unsent", LOCK_UNSENT),
-    ("unsent_ids", UNSENT_IDS),
+    ("lock_due", LOCK_DUE),
+    ("pending_ids", PENDING_IDS),
+    ("retry_later", RETRY_LATER),
+    ("bury", BURY),
+    ("outbox_stats", OUTBOX_STATS),
+    ("list_outbox", LIST_OUTBOX),
+    ("retry_dead", RETRY_DEAD),
+    ("drop_dead", DROP_DEAD),
     ("purge_runs", PURGE_RUNS),
     ("purge_outbox", PURGE_OUTBOX),
     ("migration_lock", MIGRATION_LOCK),
@@ -399,12 +532,21 @@ mod tests {
             ("purge_messages", 4),
             ("insert_run", 13),
             ("select_run", 3),
-            ("write_run", 13),
+            ("write_run", 15),
+            ("renew_lease", 8),
             ("delete_run", 4),
+            ("probe_run_lock", 3),
+            ("probe_run_exists", 3),
             ("stalled_runs", 1),
             ("enqueue", 3),
-            ("lock_unsent", 1),
-            ("unsent_ids", 2),
+            ("lock_due", 1),
+            ("pending_ids", 2),
+            ("retry_later", 6),
+            ("bury", 3),
+            ("outbox_stats", 0),
+            ("list_outbox", 4),
+            ("retry_dead", 1),
+            ("drop_dead", 1),
             ("purge_runs", 4),
             ("purge_outbox", 4),
             ("insert_migration", 2),
@@ -423,30 +565,50 @@ mod tests {
         }
     }
 
+    /// A statement built for a number of ids.
+    type Built = fn(usize) -> String;
+
     #[test]
     fn built_statements_snapshot() {
-        let text = [1, 3]
-            .map(|n| format!("-- mark_sent({n})\n{};\n", super::mark_sent(n)))
+        let built: [(&str, Built); 5] = [
+            ("claim_due", super::claim_due),
+            ("release", super::release),
+            ("mark_sent", super::mark_sent),
+            ("retry_ids", super::retry_ids),
+            ("drop_ids", super::drop_ids),
+        ];
+        let text = built
+            .iter()
+            .flat_map(|(name, f)| [1, 3].map(|n| format!("-- {name}({n})\n{};\n", f(n))))
+            .collect::<Vec<_>>()
             .join("\n");
         insta::assert_snapshot!(text);
     }
 
     #[test]
-    fn mark_sent_binds_one_dense_placeholder_per_id() {
+    fn id_lists_bind_one_dense_placeholder_per_id() {
         for n in [1, 2, 9, 10, idem_core::runs::MAX_RELAY_BATCH as usize] {
-            let sql = super::mark_sent(n);
-            assert_eq!(placeholders(&sql), (n, true), "{sql}");
-            assert_eq!(sql.matches("@P").count(), n, "{sql}");
+            for (sql, before) in [
+                (super::claim_due(n), 4),
+                (super::release(n), 1),
+                (super::mark_sent(n), 1),
+                (super::retry_ids(n), 0),
+                (super::drop_ids(n), 0),
+            ] {
+                assert_eq!(placeholders(&sql), (n + before, true), "{sql}");
+                assert_eq!(sql.matches("@P").count(), n + before, "{sql}");
+            }
         }
         // Never an empty `IN ()`, which is a syntax error.
-        assert!(super::mark_sent(0).ends_with("(@P1)"));
+        assert!(super::retry_ids(0).ends_with("(@P1)"));
     }
 
     #[test]
     fn run_statements_lock_what_they_must() {
         assert!(super::SELECT_RUN.contains("WITH (UPDLOCK, HOLDLOCK, ROWLOCK)"));
-        assert!(super::LOCK_UNSENT.contains("WITH (UPDLOCK, READPAST, ROWLOCK)"));
-        for plain in [super::UNSENT_IDS, super::STALLED_RUNS] {
+        assert!(super::LOCK_DUE.contains("WITH (UPDLOCK, READPAST, ROWLOCK)"));
+        assert!(super::PROBE_RUN_LOCK.contains("WITH (UPDLOCK, READPAST, ROWLOCK)"));
+        for plain in [super::PENDING_IDS, super::STALLED_RUNS] {
             assert!(
                 !plain.contains("WITH ("),
                 "{plain}: must not skip or take locks"
@@ -454,7 +616,15 @@ mod tests {
         }
         for counted in [
             super::WRITE_RUN,
+            super::RENEW_LEASE,
             super::DELETE_RUN,
+            super::MARK_SENT,
+            super::RETRY_LATER,
+            super::BURY,
+            super::RETRY_IDS,
+            super::RETRY_DEAD,
+            super::DROP_IDS,
+            super::DROP_DEAD,
             super::PURGE_RUNS,
             super::PURGE_OUTBOX,
         ] {

@@ -1,6 +1,6 @@
 -- idem: least-privilege roles for MariaDB 10.11+ and MySQL 8.4. Not a migration: run
 -- it with the mysql client (it uses DELIMITER) as an administrator, with idem's
--- database selected (mysql … app_db < grants.sql), AFTER the migrations (0001 to 0003).
+-- database selected (mysql … app_db < grants.sql), AFTER the migrations (0001 to 0004).
 -- It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
@@ -10,9 +10,11 @@
 --                Phased runs and the outbox (Idem::start, Run, Idem::relay): read,
 --                insert, update and delete runs (a run's row is rewritten by every
 --                phase, and an expired one is deleted and started again); read, insert
---                and update outbox messages (enqueue, mark sent).
+--                and update outbox messages (enqueue, the relay's claims and outcomes,
+--                Idem::outbox_retry / `idem outbox retry`).
 --   idem_purger  what `idem purge` / Idem::purge need: read and delete records, runs
---                and sent outbox messages.
+--                and sent outbox messages; also what `idem outbox drop` /
+--                Idem::outbox_drop needs (DELETE of unsent outbox messages).
 --
 -- Give a role to the application's account and make it active at login:
 --   GRANT idem_writer TO 'app'@'%';

@@ -199,6 +199,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_runs_and_outbox.sql",
         sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_outbox_retries.sql",
+        sql: include_str!("../migrations/0004_outbox_retries.sql"),
+    },
 ];
 
 /// The pool's size when the URL sets neither `pool_min` nor `pool_max`: room for 32
@@ -989,7 +994,7 @@ mod tests {
 
     #[test]
     fn migration_is_embedded() {
-        assert_eq!(MIGRATIONS.len(), 3);
+        assert_eq!(MIGRATIONS.len(), 4);
         assert_eq!(MIGRATIONS[0].version, 1);
         assert_eq!(MIGRATIONS[1].version, 2);
         assert_eq!(MIGRATIONS[2].version, 3);

@@ -11,12 +11,16 @@
 //!   `INSERT`s into the outbox wait. A phase's effect runs under it too. (With
 //!   `binlog_format=STATEMENT` the server refuses READ COMMITTED writes, error 1665: use
 //!   ROW or MIXED, the defaults.)
-//! - **Bounded waits.** With a wait bound the session's `innodb_lock_wait_timeout` is
-//!   saved and set to it (whole seconds, rounded up, at least 1: the server's unit and
-//!   minimum), and restored just before `COMMIT` or `ROLLBACK`. A lock wait that runs
-//!   out is error 1205, [`ErrorKind::LockTimeout`].
-//! - **A new run** is a plain `INSERT`; a committed duplicate is error 1062, answered as
-//!   `false` (the claim's rule).
+//! - **Bounded waits.** With a wait bound the session's `innodb_lock_wait_timeout` (row
+//!   locks) and `lock_wait_timeout` (table locks: `LOCK TABLES`, DDL) are saved and set
+//!   to it (whole seconds, rounded up, at least 1: the server's unit and minimum), and
+//!   restored just before `COMMIT` or `ROLLBACK`. A lock wait that runs out is error
+//!   1205, [`ErrorKind::LockTimeout`].
+//! - **A new run** is an `INSERT … ON DUPLICATE KEY UPDATE owner = owner`: inserted
+//!   (1 row) or the existing row locked exclusively and left as it is (0 rows). A plain
+//!   INSERT's 1062 leaves a *shared* lock on the duplicate row, and concurrent starts of
+//!   one existing run then all asked `FOR UPDATE`: a certain deadlock (1213). With the
+//!   exclusive lock they queue instead.
 //! - **The guarded write counts matched rows**: the server reports changed rows (no
 //!   `CLIENT_FOUND_ROWS`), so the write always moves `updated_at` forward.
 //! - **A transaction lost inside a phase** (a deadlock 1213 the effect swallowed: the
@@ -26,14 +30,17 @@
 
 use std::time::Duration;
 
-use idem_core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem_core::runs::{
+    DueRow, NewRun, OutboxEntry, OutboxFilter, OutboxRow, OutboxStats, RunGuard, RunProbe, RunRow,
+    RunWrite, StalledRow,
+};
 use idem_core::{DbError, ErrorKind, Key, OutboxStore, Outgoing, RunStore, Scope, Status};
 use mysql_async::prelude::Queryable;
 use mysql_async::{IsolationLevel, Row, Transaction, TxOpts, Value};
 
 use crate::{
-    ENGINE, MysqlBackend, MysqlTx, db_error, in_transaction, is_duplicate, lock_wait_secs, sql,
-    take, window_micros,
+    ENGINE, MysqlBackend, MysqlTx, db_error, in_transaction, lock_wait_secs, sql, take,
+    window_micros,
 };
 
 /// The run's key columns, as bytes.
@@ -78,7 +85,7 @@ async fn restore(tx: &mut MysqlTx) -> Result<(), DbError> {
         return Ok(());
     }
     tx.tx
-        .query_drop(sql::RESTORE_LOCK_WAIT)
+        .query_drop(sql::RESTORE_RUN_LOCK_WAIT)
         .await
         .map_err(db_error)?;
     tx.restore_lock_wait = false;
@@ -115,7 +122,11 @@ impl RunStore for MysqlBackend {
             restore_lock_wait: false,
         };
         if let Some(wait) = wait {
-            let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(wait));
+            let secs = lock_wait_secs(wait);
+            let bound = format!(
+                "{}{secs}, SESSION lock_wait_timeout = {secs}",
+                sql::SET_RUN_LOCK_WAIT
+            );
             if let Err(e) = tx.tx.query_drop(bound).await {
                 // A failed ROLLBACK drops the connection.
                 let _ = tx.tx.rollback().await;
@@ -162,11 +173,11 @@ impl RunStore for MysqlBackend {
             window_micros(run.lease).into(),
             window_micros(run.retention).into(),
         ]);
-        match tx.tx.exec_drop(sql::INSERT_RUN, params).await {
-            Ok(()) => Ok(true),
-            Err(e) if is_duplicate(&e) => Ok(false),
-            Err(e) => Err(db_error(e)),
-        }
+        tx.tx
+            .exec_drop(sql::INSERT_RUN, params)
+            .await
+            .map_err(db_error)?;
+        Ok(tx.tx.affected_rows() == 1)
     }
 
     async fn read_run(
@@ -188,7 +199,7 @@ impl RunStore for MysqlBackend {
         tx: &mut MysqlTx,
         scope: &Scope,
         key: &Key,
-        expected: &str,
+        expected: &RunGuard<'_>,
         write: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
         self.check_packet("state", write.state).await?;
@@ -204,12 +215,62 @@ impl RunStore for MysqlBackend {
             window_micros(write.lease).into(),
         ];
         params.extend(key_values(scope, key));
-        params.push(expected.into());
+        params.extend([
+            expected.owner.into(),
+            expected.fence.into(),
+            expected.point.into(),
+        ]);
         tx.tx
             .exec_drop(sql::WRITE_RUN, params)
             .await
             .map_err(db_error)?;
         Ok(tx.tx.affected_rows() == 1)
+    }
+
+    async fn renew_lease(
+        &self,
+        tx: &mut MysqlTx,
+        scope: &Scope,
+        key: &Key,
+        owner: &str,
+        fence: i64,
+        lease: Duration,
+    ) -> Result<bool, DbError> {
+        still_open(&mut tx.tx).await?;
+        let mut params: Vec<Value> = vec![window_micros(lease).into()];
+        params.extend(key_values(scope, key));
+        params.extend([owner.into(), fence.into()]);
+        tx.tx
+            .exec_drop(sql::RENEW_LEASE, params)
+            .await
+            .map_err(db_error)?;
+        Ok(tx.tx.affected_rows() == 1)
+    }
+
+    async fn probe_run(
+        &self,
+        tx: &mut MysqlTx,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<RunProbe, DbError> {
+        let free: Option<i64> = tx
+            .tx
+            .exec_first(sql::PROBE_RUN_LOCK, key_values(scope, key).to_vec())
+            .await
+            .map_err(db_error)?;
+        if free.is_some() {
+            return Ok(RunProbe::Free);
+        }
+        let exists: Option<i64> = tx
+            .tx
+            .exec_first(sql::PROBE_RUN_EXISTS, key_values(scope, key).to_vec())
+            .await
+            .map_err(db_error)?;
+        Ok(if exists.is_some() {
+            RunProbe::Held
+        } else {
+            RunProbe::Free
+        })
     }
 
     async fn delete_run(
@@ -268,44 +329,190 @@ impl OutboxStore for MysqlBackend {
             .map_err(db_error)
     }
 
-    async fn lock_unsent(&self, tx: &mut MysqlTx, limit: u32) -> Result<Vec<OutboxRow>, DbError> {
+    async fn lock_due(&self, tx: &mut MysqlTx, limit: u32) -> Result<Vec<DueRow>, DbError> {
         let rows: Vec<Row> = tx
             .tx
-            .exec(sql::LOCK_UNSENT, (limit,))
+            .exec(sql::LOCK_DUE, (limit,))
             .await
             .map_err(db_error)?;
         rows.into_iter()
             .map(|mut row| {
-                Ok(OutboxRow {
-                    id: take(&mut row, 0, "id")?,
-                    destination: take(&mut row, 1, "destination")?,
-                    message_id: take(&mut row, 2, "message_id")?,
-                    payload: take(&mut row, 3, "payload")?,
+                Ok(DueRow {
+                    row: OutboxRow {
+                        id: take(&mut row, 0, "id")?,
+                        destination: take(&mut row, 1, "destination")?,
+                        message_id: take(&mut row, 2, "message_id")?,
+                        payload: take(&mut row, 3, "payload")?,
+                    },
+                    attempts: take(&mut row, 4, "attempts")?,
                 })
             })
             .collect()
     }
 
-    async fn unsent_ids(
+    async fn pending_ids(
         &self,
         tx: &mut MysqlTx,
         destination: &str,
         up_to: i64,
     ) -> Result<Vec<i64>, DbError> {
         tx.tx
-            .exec(sql::UNSENT_IDS, (destination.as_bytes(), up_to))
+            .exec(sql::PENDING_IDS, (destination.as_bytes(), up_to))
             .await
             .map_err(db_error)
     }
 
-    async fn mark_sent(&self, tx: &mut MysqlTx, ids: &[i64]) -> Result<(), DbError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let params: Vec<Value> = ids.iter().map(|&id| id.into()).collect();
+    async fn claim_due(
+        &self,
+        tx: &mut MysqlTx,
+        ids: &[i64],
+        token: &str,
+        lease: Duration,
+    ) -> Result<(), DbError> {
+        let mut params: Vec<Value> = vec![token.as_bytes().into(), window_micros(lease).into()];
+        params.extend(ids.iter().map(|&id| Value::from(id)));
         tx.tx
-            .exec_drop(sql::mark_sent(ids.len()), params)
+            .exec_drop(sql::claim_due(ids.len()), params)
             .await
             .map_err(db_error)
     }
+
+    async fn release(&self, tx: &mut MysqlTx, ids: &[i64], token: &str) -> Result<(), DbError> {
+        let mut params: Vec<Value> = vec![token.as_bytes().into()];
+        params.extend(ids.iter().map(|&id| Value::from(id)));
+        tx.tx
+            .exec_drop(sql::release(ids.len()), params)
+            .await
+            .map_err(db_error)
+    }
+
+    async fn mark_sent(&self, tx: &mut MysqlTx, ids: &[i64], token: &str) -> Result<u64, DbError> {
+        let mut params: Vec<Value> = vec![token.as_bytes().into()];
+        params.extend(ids.iter().map(|&id| Value::from(id)));
+        tx.tx
+            .exec_drop(sql::mark_sent(ids.len()), params)
+            .await
+            .map_err(db_error)?;
+        Ok(tx.tx.affected_rows())
+    }
+
+    async fn record_failure(
+        &self,
+        tx: &mut MysqlTx,
+        id: i64,
+        token: &str,
+        error: &str,
+        retry_in: Option<Duration>,
+    ) -> Result<bool, DbError> {
+        let token = token.as_bytes();
+        let done = match retry_in {
+            Some(delay) => {
+                tx.tx
+                    .exec_drop(sql::RETRY_LATER, (error, window_micros(delay), id, token))
+                    .await
+            }
+            None => tx.tx.exec_drop(sql::BURY, (error, id, token)).await,
+        };
+        done.map_err(db_error)?;
+        Ok(tx.tx.affected_rows() == 1)
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, DbError> {
+        let mut conn = self.conn().await?;
+        let row: Option<Row> = conn
+            .exec_first(sql::OUTBOX_STATS, ())
+            .await
+            .map_err(db_error)?;
+        drop(conn);
+        let Some(mut row) = row else {
+            return Ok(OutboxStats::default());
+        };
+        let pending: i64 = take(&mut row, 0, "pending")?;
+        let dead: i64 = take(&mut row, 1, "dead")?;
+        let oldest: Option<i64> = take(&mut row, 2, "oldest")?;
+        Ok(OutboxStats {
+            pending: u64::try_from(pending).unwrap_or(0),
+            dead: u64::try_from(dead).unwrap_or(0),
+            oldest_pending_age: oldest.map(duration_of),
+        })
+    }
+
+    async fn list_outbox(&self, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>, DbError> {
+        let state = filter.state.code();
+        let destination: Value = filter.destination.as_deref().map(str::as_bytes).into();
+        let params: Vec<Value> = vec![
+            state.into(),
+            state.into(),
+            state.into(),
+            destination.clone(),
+            destination,
+            filter.after_id.into(),
+            filter.limit.into(),
+        ];
+        let mut conn = self.conn().await?;
+        let rows: Vec<Row> = conn
+            .exec(sql::LIST_OUTBOX, params)
+            .await
+            .map_err(db_error)?;
+        drop(conn);
+        rows.into_iter()
+            .map(|mut row| {
+                let dead: i64 = take(&mut row, 4, "dead")?;
+                let claimed: i64 = take(&mut row, 8, "claimed")?;
+                let next: Option<i64> = take(&mut row, 7, "next_attempt_in")?;
+                Ok(OutboxEntry {
+                    id: take(&mut row, 0, "id")?,
+                    destination: take(&mut row, 1, "destination")?,
+                    message_id: take(&mut row, 2, "message_id")?,
+                    attempts: take(&mut row, 3, "attempts")?,
+                    dead: dead != 0,
+                    last_error: take(&mut row, 5, "last_error")?,
+                    age: duration_of(take(&mut row, 6, "age")?),
+                    next_attempt_in: next.map(duration_of),
+                    claimed: claimed != 0,
+                })
+            })
+            .collect()
+    }
+
+    async fn retry_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        self.operator_write(ids, destination, sql::retry_ids, sql::RETRY_DEAD)
+            .await
+    }
+
+    async fn drop_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        self.operator_write(ids, destination, sql::drop_ids, sql::DROP_DEAD)
+            .await
+    }
+}
+
+impl MysqlBackend {
+    /// One autocommit statement of an operator: over `ids`, or over every dead message
+    /// (of `destination`).
+    async fn operator_write(
+        &self,
+        ids: &[i64],
+        destination: Option<&str>,
+        by_ids: fn(usize) -> String,
+        dead: &str,
+    ) -> Result<u64, DbError> {
+        let mut conn = self.conn().await?;
+        if ids.is_empty() {
+            let d: Value = destination.map(str::as_bytes).into();
+            conn.exec_drop(dead, vec![d.clone(), d])
+                .await
+                .map_err(db_error)?;
+        } else {
+            let params: Vec<Value> = ids.iter().map(|&id| Value::from(id)).collect();
+            conn.exec_drop(by_ids(ids.len()), params)
+                .await
+                .map_err(db_error)?;
+        }
+        Ok(conn.affected_rows())
+    }
+}
+
+/// A span of microseconds from the database clock; a negative one is zero.
+fn duration_of(micros: i64) -> Duration {
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }

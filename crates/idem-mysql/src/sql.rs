@@ -152,21 +152,25 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
 // Phased runs and the outbox (migration 0003). Run statements run inside the
 // transaction `begin_runs` opened (READ COMMITTED); `STALLED_RUNS` runs on its own.
 
-/// A new run. A conflicting uncommitted row makes it wait for that transaction (bounded
-/// by `innodb_lock_wait_timeout`); a committed one fails it with 1062 (only this
-/// statement is rolled back). One `UTC_TIMESTAMP(6)` reading for every time column.
-/// Params: principal, operation, key, request, owner, fence, point, lease (µs),
-/// retention (µs).
+/// A new run, or an exclusive lock on the existing one. `ON DUPLICATE KEY UPDATE` with
+/// a no-op assignment takes an **exclusive** lock on a duplicate row (a plain INSERT's
+/// 1062 takes a shared one): concurrent starts of an existing run then queue for its row
+/// instead of each holding a shared lock and asking for the exclusive one the takeover
+/// needs (a certain deadlock, 1213). The server counts 1 for an inserted row, 0 for the
+/// existing one left as it is. A conflicting uncommitted row makes it wait for that
+/// transaction (bounded by `innodb_lock_wait_timeout`). One `UTC_TIMESTAMP(6)` reading
+/// for every time column. Params: principal, operation, key, request, owner, fence,
+/// point, lease (µs), retention (µs).
 pub(crate) const INSERT_RUN: &str = concat!(
     "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, \
      lease_until, created_at, updated_at, expires_at) VALUES (?, ?, ?, ?, ?, ?, ?, ",
     expiry!(),
     ", UTC_TIMESTAMP(6), UTC_TIMESTAMP(6), ",
     expiry!(),
-    ")"
+    ") ON DUPLICATE KEY UPDATE owner = owner"
 );
 /// Reads a run and locks its row until the transaction ends (a locking read: the latest
-/// committed version, whatever the isolation level). Params: principal, operation, key.
+/// committed version). Params: principal, operation, key.
 pub(crate) const SELECT_RUN: &str = concat!(
     "SELECT request, owner, fence, point, state, status, response, \
      lease_until <= UTC_TIMESTAMP(6) AS lease_over, expires_at <= UTC_TIMESTAMP(6) AS expired \
@@ -174,18 +178,29 @@ pub(crate) const SELECT_RUN: &str = concat!(
     request_pk!(),
     " FOR UPDATE"
 );
-/// The guarded write: changes the row only while its owner is the expected one and it
-/// has no final answer. Without `CLIENT_FOUND_ROWS` the server counts *changed* rows,
-/// so `updated_at` moves forward by at least 1 µs on every write: a matched row is
-/// always a changed row, and the count says "matched". Params: owner, fence, point,
-/// state, status, response, lease (µs), principal, operation, key, expected owner.
+/// The guarded write, a compare-and-set: changes the row only while it holds the
+/// expected owner, fence and point and has no final answer. Without `CLIENT_FOUND_ROWS`
+/// the server counts *changed* rows, so `updated_at` always moves forward (a row written
+/// twice within one microsecond still changes). Params: owner, fence, point, state,
+/// status, response, lease (µs), principal, operation, key, expected owner, expected
+/// fence, expected point.
 pub(crate) const WRITE_RUN: &str = concat!(
     "UPDATE idem_run SET owner = ?, fence = ?, point = ?, state = ?, status = ?, response = ?, \
      lease_until = ",
     expiry!(),
     ", updated_at = GREATEST(UTC_TIMESTAMP(6), updated_at + INTERVAL 1 MICROSECOND) WHERE ",
     request_pk!(),
-    " AND owner = ? AND status IS NULL"
+    " AND owner = ? AND fence = ? AND point = ? AND status IS NULL"
+);
+/// The lease alone (heartbeat, release): never the point or the state (`updated_at`
+/// moves too, so the server counts the row as changed). Params: lease (µs), principal,
+/// operation, key, owner, fence.
+pub(crate) const RENEW_LEASE: &str = concat!(
+    "UPDATE idem_run SET lease_until = ",
+    expiry!(),
+    ", updated_at = GREATEST(UTC_TIMESTAMP(6), updated_at + INTERVAL 1 MICROSECOND) WHERE ",
+    request_pk!(),
+    " AND owner = ? AND fence = ? AND status IS NULL"
 );
 /// Deletes a run while its owner is the expected one (an expired run being replaced).
 /// Params: principal, operation, key, expected owner.
@@ -194,6 +209,16 @@ pub(crate) const DELETE_RUN: &str = concat!(
     request_pk!(),
     " AND owner = ?"
 );
+/// After a start's lock wait ran out: the run's row, unless another transaction holds
+/// it. Params: principal, operation, key.
+pub(crate) const PROBE_RUN_LOCK: &str = concat!(
+    "SELECT 1 FROM idem_run WHERE ",
+    request_pk!(),
+    " FOR UPDATE SKIP LOCKED"
+);
+/// Whether a committed row of the run exists (a consistent read: never waits for row
+/// locks). Params: principal, operation, key.
+pub(crate) const PROBE_RUN_EXISTS: &str = concat!("SELECT 1 FROM idem_run WHERE ", request_pk!());
 /// Unexpired runs without a final answer whose lease ended, the longest-stalled first
 /// (an autocommit read after [`READ_COMMITTED`]). Params: limit.
 pub(crate) const STALLED_RUNS: &str = "SELECT principal, operation, request_key, point FROM idem_run \
@@ -203,28 +228,112 @@ pub(crate) const STALLED_RUNS: &str = "SELECT principal, operation, request_key,
 /// session is still inside a transaction): before a run's guarded write and its
 /// `COMMIT`, when the last packet did not already say so.
 pub(crate) const STATUS_PROBE: &str = "DO 0";
+/// Saves the session's row-lock and table-lock wait bounds and sets both for a run
+/// transaction (whole seconds, appended twice by the backend: an integer, never user
+/// text). `lock_wait_timeout` bounds waits for table locks (`LOCK TABLES`, DDL), which
+/// `innodb_lock_wait_timeout` does not; either running out is error 1205.
+pub(crate) const SET_RUN_LOCK_WAIT: &str = "SET @idem_run_lock_wait = @@SESSION.innodb_lock_wait_timeout, \
+     @idem_run_mdl_wait = @@SESSION.lock_wait_timeout, SESSION innodb_lock_wait_timeout = ";
+/// Gives the session its own wait bounds back.
+pub(crate) const RESTORE_RUN_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = @idem_run_lock_wait, \
+     SESSION lock_wait_timeout = @idem_run_mdl_wait";
 
 /// Stores a message in the caller's transaction. Params: destination, message ID,
 /// payload.
 pub(crate) const ENQUEUE: &str = "INSERT INTO idem_outbox (destination, message_id, payload, created_at) \
      VALUES (?, ?, ?, UTC_TIMESTAMP(6))";
-/// Locks the oldest unsent messages, skipping rows another relay holds (MariaDB 10.6+,
-/// MySQL 8.0+). Under READ COMMITTED the locking read takes no gap locks, so producers'
+/// Locks the oldest due messages, skipping rows another relay holds (MariaDB 10.6+,
+/// MySQL 8.0+). Due: unsent, not dead, the next attempt's time passed, no unexpired
+/// claim, and no older pending message of the destination that is not due or is
+/// claimed (the subquery is a plain read: a locking clause applies to the outer table
+/// only). Under READ COMMITTED the locking read takes no gap locks, so producers'
 /// `INSERT`s never wait for a relay. Params: limit.
-pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
-     WHERE sent_at IS NULL ORDER BY id LIMIT ? FOR UPDATE SKIP LOCKED";
-/// Every unsent message of a destination up to an id, rows other relays hold included:
-/// a plain (consistent, non-locking) read, which under READ COMMITTED sees the latest
-/// committed rows. Params: destination, up to (id).
-pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
-     WHERE destination = ? AND sent_at IS NULL AND id <= ? ORDER BY id";
-/// The start of [`mark_sent`]'s statement.
-pub(crate) const MARK_SENT: &str =
-    "UPDATE idem_outbox SET sent_at = UTC_TIMESTAMP(6) WHERE id IN (";
-/// Marks `n` messages sent: [`MARK_SENT`] with `n` placeholders (`n` ≥ 1). Params: the
-/// ids.
+pub(crate) const LOCK_DUE: &str = "SELECT o.id, o.destination, o.message_id, o.payload, o.attempts \
+     FROM idem_outbox AS o WHERE o.sent_at IS NULL AND o.dead_at IS NULL \
+     AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= UTC_TIMESTAMP(6)) \
+     AND (o.claimed_until IS NULL OR o.claimed_until <= UTC_TIMESTAMP(6)) \
+     AND NOT EXISTS (SELECT 1 FROM idem_outbox AS b WHERE b.destination = o.destination \
+     AND b.id < o.id AND b.sent_at IS NULL AND b.dead_at IS NULL \
+     AND (b.next_attempt_at > UTC_TIMESTAMP(6) OR b.claimed_until > UTC_TIMESTAMP(6))) \
+     ORDER BY o.id LIMIT ? FOR UPDATE SKIP LOCKED";
+/// Every pending (unsent, not dead) message of a destination up to an id, rows other
+/// relays hold included: a plain (consistent, non-locking) read, which under READ
+/// COMMITTED sees the latest committed rows. Params: destination, up to (id).
+pub(crate) const PENDING_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = ? AND sent_at IS NULL AND dead_at IS NULL AND id <= ? ORDER BY id";
+/// The start of [`claim_due`]'s statement. Params: token, lease (µs), then the ids.
+pub(crate) const CLAIM_DUE: &str = concat!(
+    "UPDATE idem_outbox SET claim_token = ?, claimed_until = ",
+    expiry!(),
+    ", attempts = attempts + 1 WHERE sent_at IS NULL AND id IN ("
+);
+/// The start of [`release`]'s statement. Params: token, then the ids.
+pub(crate) const RELEASE: &str = "UPDATE idem_outbox SET claim_token = NULL, claimed_until = NULL, \
+     attempts = GREATEST(attempts - 1, 0) WHERE sent_at IS NULL AND claim_token = ? AND id IN (";
+/// The start of [`mark_sent`]'s statement. Params: token, then the ids.
+pub(crate) const MARK_SENT: &str = "UPDATE idem_outbox SET sent_at = UTC_TIMESTAMP(6), \
+     claim_token = NULL, claimed_until = NULL WHERE sent_at IS NULL AND claim_token = ? AND id IN (";
+/// A failed attempt with attempts left: tried again after the delay. Only the pass's own
+/// claim, or no unexpired claim. Params: error, delay (µs), id, token.
+pub(crate) const RETRY_LATER: &str = concat!(
+    "UPDATE idem_outbox SET last_error = ?, next_attempt_at = ",
+    expiry!(),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = ? AND sent_at IS NULL \
+     AND (claim_token = ? OR claimed_until IS NULL OR claimed_until <= UTC_TIMESTAMP(6))"
+);
+/// A failed attempt with none left: dead. Params: error, id, token.
+pub(crate) const BURY: &str = "UPDATE idem_outbox SET last_error = ?, dead_at = UTC_TIMESTAMP(6), \
+     claim_token = NULL, claimed_until = NULL WHERE id = ? AND sent_at IS NULL \
+     AND (claim_token = ? OR claimed_until IS NULL OR claimed_until <= UTC_TIMESTAMP(6))";
+/// The backlog: pending messages, dead ones, the oldest pending one's age (µs).
+pub(crate) const OUTBOX_STATS: &str = "SELECT CAST(COALESCE(SUM(dead_at IS NULL), 0) AS SIGNED), \
+     CAST(COUNT(dead_at) AS SIGNED), CAST(MAX(CASE WHEN dead_at IS NULL THEN \
+     TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)) END) AS SIGNED) \
+     FROM idem_outbox WHERE sent_at IS NULL";
+/// Unsent messages for an operator. Params: state, state, state (0 unsent, 1 pending,
+/// 2 dead), destination or NULL, the same destination, after id, limit.
+pub(crate) const LIST_OUTBOX: &str = "SELECT id, destination, message_id, attempts, \
+     dead_at IS NOT NULL, last_error, TIMESTAMPDIFF(MICROSECOND, created_at, UTC_TIMESTAMP(6)), \
+     CASE WHEN next_attempt_at > UTC_TIMESTAMP(6) \
+     THEN TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), next_attempt_at) END, \
+     COALESCE(claimed_until > UTC_TIMESTAMP(6), 0) FROM idem_outbox WHERE sent_at IS NULL \
+     AND (? = 0 OR (? = 1 AND dead_at IS NULL) OR (? = 2 AND dead_at IS NOT NULL)) \
+     AND (? IS NULL OR destination = ?) AND id > ? ORDER BY id LIMIT ?";
+/// The start of [`retry_ids`]'s statement: back to pending, due now, attempts reset.
+pub(crate) const RETRY_IDS: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+     attempts = 0 WHERE sent_at IS NULL AND id IN (";
+/// Every dead message back to pending. Params: destination or NULL, the same.
+pub(crate) const RETRY_DEAD: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+     attempts = 0 WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (? IS NULL OR destination = ?)";
+/// The start of [`drop_ids`]'s statement: deletes unsent messages.
+pub(crate) const DROP_IDS: &str = "DELETE FROM idem_outbox WHERE sent_at IS NULL AND id IN (";
+/// Deletes every dead message. Params: destination or NULL, the same.
+pub(crate) const DROP_DEAD: &str = "DELETE FROM idem_outbox \
+     WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (? IS NULL OR destination = ?)";
+
+/// `prefix` + `n` placeholders + `)` (`n` ≥ 1).
+fn with_ids(prefix: &str, n: usize) -> String {
+    idem_core::runs::in_list(prefix, n, |_| "?".to_owned())
+}
+/// Claims `n` messages: [`CLAIM_DUE`] with `n` placeholders.
+pub(crate) fn claim_due(n: usize) -> String {
+    with_ids(CLAIM_DUE, n)
+}
+/// Gives back `n` messages: [`RELEASE`] with `n` placeholders.
+pub(crate) fn release(n: usize) -> String {
+    with_ids(RELEASE, n)
+}
+/// Marks `n` messages sent: [`MARK_SENT`] with `n` placeholders.
 pub(crate) fn mark_sent(n: usize) -> String {
-    idem_core::runs::in_list(MARK_SENT, n, |_| "?".to_owned())
+    with_ids(MARK_SENT, n)
+}
+/// Retries `n` messages: [`RETRY_IDS`] with `n` placeholders.
+pub(crate) fn retry_ids(n: usize) -> String {
+    with_ids(RETRY_IDS, n)
+}
+/// Drops `n` messages: [`DROP_IDS`] with `n` placeholders.
+pub(crate) fn drop_ids(n: usize) -> String {
+    with_ids(DROP_IDS, n)
 }
 
 /// Runs that are expired **and** were started at least `?` µs ago, oldest expiry first.
@@ -287,12 +396,23 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_run", INSERT_RUN),
     ("select_run", SELECT_RUN),
     ("write_run", WRITE_RUN),
+    ("renew_lease", RENEW_LEASE),
     ("delete_run", DELETE_RUN),
+    ("probe_run_lock", PROBE_RUN_LOCK),
+    ("probe_run_exists", PROBE_RUN_EXISTS),
     ("stalled_runs", STALLED_RUNS),
     ("status_probe", STATUS_PROBE),
+    ("set_run_lock_wait", SET_RUN_LOCK_WAIT),
+    ("restore_run_lock_wait", RESTORE_RUN_LOCK_WAIT),
     ("enqueue", ENQUEUE),
-    ("lock_unsent", LOCK_UNSENT),
-    ("unsent_ids", UNSENT_IDS),
+    ("lock_due", LOCK_DUE),
+    ("pending_ids", PENDING_IDS),
+    ("retry_later", RETRY_LATER),
+    ("bury", BURY),
+    ("outbox_stats", OUTBOX_STATS),
+    ("list_outbox", LIST_OUTBOX),
+    ("retry_dead", RETRY_DEAD),
+    ("drop_dead", DROP_DEAD),
     ("purge_runs", PURGE_RUNS),
     ("purge_outbox", PURGE_OUTBOX),
     ("migration_lock", MIGRATION_LOCK),
@@ -327,29 +447,54 @@ mod tests {
                 "INSERT IGNORE",
                 "ON DUPLICATE",
             ] {
+                // The one exception: a new run's no-op ON DUPLICATE KEY UPDATE, which
+                // takes the existing row's lock exclusively and changes nothing.
+                if *name == "insert_run" && banned == "ON DUPLICATE" {
+                    assert!(
+                        sql.ends_with("ON DUPLICATE KEY UPDATE owner = owner"),
+                        "{sql}"
+                    );
+                    continue;
+                }
                 assert!(!upper.contains(banned), "{name} uses {banned}: {sql}");
             }
             assert!(!sql.contains('$'), "{name} uses PostgreSQL placeholders");
         }
     }
 
+    /// A statement built for a number of ids.
+    type Built = fn(usize) -> String;
+
     #[test]
     fn built_statements_snapshot() {
-        let text = [1, 3]
-            .map(|n| format!("-- mark_sent({n})\n{};\n", super::mark_sent(n)))
+        let built: [(&str, Built); 5] = [
+            ("claim_due", super::claim_due),
+            ("release", super::release),
+            ("mark_sent", super::mark_sent),
+            ("retry_ids", super::retry_ids),
+            ("drop_ids", super::drop_ids),
+        ];
+        let text = built
+            .iter()
+            .flat_map(|(name, f)| [1, 3].map(|n| format!("-- {name}({n})\n{};\n", f(n))))
+            .collect::<Vec<_>>()
             .join("\n");
         insta::assert_snapshot!(text);
     }
 
     #[test]
-    fn mark_sent_binds_one_placeholder_per_id() {
+    fn id_lists_bind_one_placeholder_per_id() {
         for n in [1, 2, 7, idem_core::runs::MAX_RELAY_BATCH as usize] {
-            let sql = super::mark_sent(n);
-            assert_eq!(sql.matches('?').count(), n, "{sql}");
-            assert!(
-                sql.starts_with(super::MARK_SENT) && sql.ends_with("?)"),
-                "{sql}"
-            );
+            for (prefix, sql, before) in [
+                (super::MARK_SENT, super::mark_sent(n), 1),
+                (super::CLAIM_DUE, super::claim_due(n), 2),
+                (super::RELEASE, super::release(n), 1),
+                (super::RETRY_IDS, super::retry_ids(n), 0),
+                (super::DROP_IDS, super::drop_ids(n), 0),
+            ] {
+                assert_eq!(sql.matches('?').count(), n + before, "{sql}");
+                assert!(sql.starts_with(prefix) && sql.ends_with("?)"), "{sql}");
+            }
         }
         // Never an empty `IN ()`, which is a syntax error.
         assert!(super::mark_sent(0).ends_with("(?)"));
@@ -358,16 +503,32 @@ mod tests {
     #[test]
     fn run_statements_lock_what_they_must() {
         assert!(super::SELECT_RUN.ends_with(" FOR UPDATE"));
-        assert!(super::LOCK_UNSENT.ends_with(" FOR UPDATE SKIP LOCKED"));
-        for plain in [super::UNSENT_IDS, super::STALLED_RUNS] {
+        assert!(super::LOCK_DUE.ends_with(" FOR UPDATE SKIP LOCKED"));
+        assert!(super::PROBE_RUN_LOCK.ends_with(" FOR UPDATE SKIP LOCKED"));
+        // Concurrent starts of an existing run take its row exclusively at once.
+        assert!(super::INSERT_RUN.ends_with("ON DUPLICATE KEY UPDATE owner = owner"));
+        for plain in [
+            super::PENDING_IDS,
+            super::STALLED_RUNS,
+            super::PROBE_RUN_EXISTS,
+        ] {
             assert!(
                 !plain.contains("FOR UPDATE") && !plain.contains("LOCK IN"),
                 "{plain}"
             );
         }
         // A write counts as matched only because it always changes `updated_at`.
-        assert!(super::WRITE_RUN.contains("updated_at + INTERVAL 1 MICROSECOND"));
-        assert!(super::WRITE_RUN.ends_with("AND owner = ? AND status IS NULL"));
+        for write in [super::WRITE_RUN, super::RENEW_LEASE] {
+            assert!(
+                write.contains("updated_at + INTERVAL 1 MICROSECOND"),
+                "{write}"
+            );
+        }
+        assert!(
+            super::WRITE_RUN
+                .ends_with("AND owner = ? AND fence = ? AND point = ? AND status IS NULL")
+        );
+        assert!(super::RENEW_LEASE.ends_with("AND owner = ? AND fence = ? AND status IS NULL"));
     }
 
     #[test]

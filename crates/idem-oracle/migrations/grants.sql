@@ -1,7 +1,7 @@
 -- idem: least-privilege roles for Oracle Database 19c+ (written from the documentation;
 -- not verified live here). Not a migration: run it with SQL*Plus or SQLcl (PL/SQL
 -- blocks end with '/') as the schema that owns idem's tables, AFTER the migrations
--- (0001 to 0003). CREATE ROLE needs the CREATE ROLE privilege; a re-run reports ORA-01921
+-- (0001 to 0004). CREATE ROLE needs the CREATE ROLE privilege; a re-run reports ORA-01921
 -- (role exists) for the first two statements and is otherwise idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
@@ -11,9 +11,11 @@
 --                Phased runs and the outbox (Idem::start, Run, Idem::relay): read,
 --                insert, update and delete runs (a run's row is rewritten by every
 --                phase, and an expired one is deleted and started again); read, insert
---                and update outbox messages (enqueue, mark sent).
+--                and update outbox messages (enqueue, the relay's claims and outcomes,
+--                Idem::outbox_retry / `idem outbox retry`).
 --   idem_purger  what `idem purge` / Idem::purge need: read and delete records, runs
---                and sent outbox messages.
+--                and sent outbox messages; also what `idem outbox drop` /
+--                Idem::outbox_drop needs (DELETE of unsent outbox messages).
 --
 -- Grant a role to the application's user (GRANT idem_writer TO app_user;). The tables
 -- stay in the owner's schema: the application connects with

@@ -147,6 +147,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_runs_and_outbox.sql",
         sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_outbox_retries.sql",
+        sql: include_str!("../migrations/0004_outbox_retries.sql"),
+    },
 ];
 
 const ENGINE: &str = "oracle";
@@ -974,7 +979,7 @@ mod tests {
 
     #[test]
     fn migration_0003_creates_runs_and_the_outbox() {
-        assert_eq!(MIGRATIONS.len(), 3);
+        assert_eq!(MIGRATIONS.len(), 4);
         assert_eq!(MIGRATIONS[2].version, 3);
         let statements = MIGRATIONS[2].statements();
         assert_eq!(statements.len(), 6, "{statements:#?}");

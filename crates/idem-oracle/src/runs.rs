@@ -21,7 +21,10 @@
 
 use std::time::Duration;
 
-use idem_core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem_core::runs::{
+    DueRow, NewRun, OutboxEntry, OutboxFilter, OutboxRow, OutboxStats, RunGuard, RunProbe, RunRow,
+    RunWrite, StalledRow,
+};
 use idem_core::{DbError, ErrorKind, Key, OutboxStore, Outgoing, RunStore, Scope, Status};
 use oracle::Connection;
 use oracle::sql_type::ToSql;
@@ -80,13 +83,39 @@ fn run_row(row: &oracle::Row) -> Result<RunRow, DbError> {
     })
 }
 
-fn outbox_row(row: &oracle::Row) -> Result<OutboxRow, DbError> {
-    Ok(OutboxRow {
+fn due_row(row: &oracle::Row) -> Result<DueRow, DbError> {
+    Ok(DueRow {
+        row: OutboxRow {
+            id: row.get(0).map_err(db_error)?,
+            destination: raw_text(row, 1, "destination")?,
+            message_id: raw_text(row, 2, "message_id")?,
+            payload: row.get(3).map_err(db_error)?,
+        },
+        attempts: row.get(4).map_err(db_error)?,
+    })
+}
+
+fn entry(row: &oracle::Row) -> Result<OutboxEntry, DbError> {
+    let dead: i64 = row.get(4).map_err(db_error)?;
+    let age: i64 = row.get(6).map_err(db_error)?;
+    let next: Option<i64> = row.get(7).map_err(db_error)?;
+    let claimed: i64 = row.get(8).map_err(db_error)?;
+    Ok(OutboxEntry {
         id: row.get(0).map_err(db_error)?,
         destination: raw_text(row, 1, "destination")?,
         message_id: raw_text(row, 2, "message_id")?,
-        payload: row.get(3).map_err(db_error)?,
+        attempts: row.get(3).map_err(db_error)?,
+        dead: dead == 1,
+        last_error: row.get(5).map_err(db_error)?,
+        age: duration_of(age),
+        next_attempt_in: next.map(duration_of),
+        claimed: claimed == 1,
     })
+}
+
+/// A span of microseconds from the database clock; a negative one is zero.
+fn duration_of(micros: i64) -> Duration {
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }
 
 /// A call cut by the transaction's wait bound, as the lock timeout it is.
@@ -237,21 +266,22 @@ impl RunStore for OracleBackend {
         tx: &mut OracleTx,
         scope: &Scope,
         key: &Key,
-        expected: &str,
+        expected: &RunGuard<'_>,
         write: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
         let k = RunKey::new(scope, key)?;
-        let (owner, expected) = (
+        let (owner, expected_owner) = (
             write.owner.as_bytes().to_vec(),
-            expected.as_bytes().to_vec(),
+            expected.owner.as_bytes().to_vec(),
         );
+        let (expected_fence, expected_point) = (expected.fence, expected.point.to_owned());
         let point = write.point.to_owned();
         let state = write.state.map(str::to_owned);
         let response = write.response.map(str::to_owned);
         let status = write.status.map(|s| i64::from(s.code()));
         let (fence, lease) = (write.fence, interval_micros(write.lease));
         tx.call(move |c| {
-            let params: [&dyn ToSql; 11] = [
+            let params: [&dyn ToSql; 13] = [
                 &owner,
                 &fence,
                 &point,
@@ -262,13 +292,64 @@ impl RunStore for OracleBackend {
                 &k.principal,
                 &k.operation,
                 &k.key,
-                &expected,
+                &expected_owner,
+                &expected_fence,
+                &expected_point,
             ];
             let rows = c
                 .execute(sql::WRITE_RUN, &params)
                 .and_then(|s| s.row_count())
                 .map_err(db_error)?;
             Ok(rows == 1)
+        })
+        .await
+    }
+
+    async fn renew_lease(
+        &self,
+        tx: &mut OracleTx,
+        scope: &Scope,
+        key: &Key,
+        owner: &str,
+        fence: i64,
+        lease: Duration,
+    ) -> Result<bool, DbError> {
+        let k = RunKey::new(scope, key)?;
+        let owner = owner.as_bytes().to_vec();
+        let lease = interval_micros(lease);
+        tx.call(move |c| {
+            let params: [&dyn ToSql; 6] =
+                [&lease, &k.principal, &k.operation, &k.key, &owner, &fence];
+            let rows = c
+                .execute(sql::RENEW_LEASE, &params)
+                .and_then(|s| s.row_count())
+                .map_err(db_error)?;
+            Ok(rows == 1)
+        })
+        .await
+    }
+
+    async fn probe_run(
+        &self,
+        tx: &mut OracleTx,
+        scope: &Scope,
+        key: &Key,
+    ) -> Result<RunProbe, DbError> {
+        let k = RunKey::new(scope, key)?;
+        tx.call(move |c| {
+            let params: [&dyn ToSql; 3] = [&k.principal, &k.operation, &k.key];
+            if first_row(c, sql::PROBE_RUN_LOCK, &params)
+                .map_err(db_error)?
+                .is_some()
+            {
+                return Ok(RunProbe::Free);
+            }
+            let exists = first_row(c, sql::PROBE_RUN_EXISTS, &params).map_err(db_error)?;
+            Ok(if exists.is_some() {
+                RunProbe::Held
+            } else {
+                RunProbe::Free
+            })
         })
         .await
     }
@@ -329,24 +410,24 @@ impl OutboxStore for OracleBackend {
         .await
     }
 
-    async fn lock_unsent(&self, tx: &mut OracleTx, limit: u32) -> Result<Vec<OutboxRow>, DbError> {
+    async fn lock_due(&self, tx: &mut OracleTx, limit: u32) -> Result<Vec<DueRow>, DbError> {
         let n = limit.clamp(1, LOCK_UNSENT_MAX);
         tx.call(move |c| {
             let mut stmt = c
-                .statement(sql::LOCK_UNSENT)
+                .statement(sql::LOCK_DUE)
                 .fetch_array_size(n)
                 .prefetch_rows(n)
                 .build()
                 .map_err(db_error)?;
             let rows = stmt.query(&[]).map_err(db_error)?;
             rows.take(usize::try_from(n).unwrap_or(usize::MAX))
-                .map(|row| outbox_row(&row.map_err(db_error)?))
+                .map(|row| due_row(&row.map_err(db_error)?))
                 .collect()
         })
         .await
     }
 
-    async fn unsent_ids(
+    async fn pending_ids(
         &self,
         tx: &mut OracleTx,
         destination: &str,
@@ -354,25 +435,176 @@ impl OutboxStore for OracleBackend {
     ) -> Result<Vec<i64>, DbError> {
         let destination = ident_bytes("outbox destination", destination)?;
         tx.call(move |c| {
-            c.query_as::<i64>(sql::UNSENT_IDS, &[&destination, &up_to])
+            c.query_as::<i64>(sql::PENDING_IDS, &[&destination, &up_to])
                 .and_then(|rows| rows.collect::<oracle::Result<Vec<i64>>>())
                 .map_err(db_error)
         })
         .await
     }
 
-    async fn mark_sent(&self, tx: &mut OracleTx, ids: &[i64]) -> Result<(), DbError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let ids = ids.to_vec();
+    async fn claim_due(
+        &self,
+        tx: &mut OracleTx,
+        ids: &[i64],
+        token: &str,
+        lease: Duration,
+    ) -> Result<(), DbError> {
+        let (ids, token, lease) = (
+            ids.to_vec(),
+            token.as_bytes().to_vec(),
+            interval_micros(lease),
+        );
         tx.call(move |c| {
-            let params: Vec<&dyn ToSql> = ids.iter().map(|id| id as &dyn ToSql).collect();
-            c.execute(&sql::mark_sent(ids.len()), &params)
+            let mut params: Vec<&dyn ToSql> = vec![&token, &lease];
+            params.extend(ids.iter().map(|id| id as &dyn ToSql));
+            c.execute(&sql::claim_due(ids.len()), &params)
                 .map(drop)
                 .map_err(db_error)
         })
         .await
+    }
+
+    async fn release(&self, tx: &mut OracleTx, ids: &[i64], token: &str) -> Result<(), DbError> {
+        let (ids, token) = (ids.to_vec(), token.as_bytes().to_vec());
+        tx.call(move |c| {
+            let mut params: Vec<&dyn ToSql> = vec![&token];
+            params.extend(ids.iter().map(|id| id as &dyn ToSql));
+            c.execute(&sql::release(ids.len()), &params)
+                .map(drop)
+                .map_err(db_error)
+        })
+        .await
+    }
+
+    async fn mark_sent(&self, tx: &mut OracleTx, ids: &[i64], token: &str) -> Result<u64, DbError> {
+        let (ids, token) = (ids.to_vec(), token.as_bytes().to_vec());
+        tx.call(move |c| {
+            let mut params: Vec<&dyn ToSql> = vec![&token];
+            params.extend(ids.iter().map(|id| id as &dyn ToSql));
+            c.execute(&sql::mark_sent(ids.len()), &params)
+                .and_then(|s| s.row_count())
+                .map_err(db_error)
+        })
+        .await
+    }
+
+    async fn record_failure(
+        &self,
+        tx: &mut OracleTx,
+        id: i64,
+        token: &str,
+        error: &str,
+        retry_in: Option<Duration>,
+    ) -> Result<bool, DbError> {
+        let (token, error) = (token.as_bytes().to_vec(), Some(error.to_owned()));
+        let delay = retry_in.map(interval_micros);
+        tx.call(move |c| {
+            let done = match delay {
+                Some(delay) => {
+                    let params: [&dyn ToSql; 4] = [&clob(&error), &delay, &id, &token];
+                    c.execute(sql::RETRY_LATER, &params)
+                }
+                None => {
+                    let params: [&dyn ToSql; 3] = [&clob(&error), &id, &token];
+                    c.execute(sql::BURY, &params)
+                }
+            };
+            let rows = done.and_then(|s| s.row_count()).map_err(db_error)?;
+            Ok(rows == 1)
+        })
+        .await
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, DbError> {
+        let mut lease = self.lease().await?;
+        lease
+            .run(|c| {
+                let row = first_row(c, sql::OUTBOX_STATS, &[]).map_err(db_error)?;
+                let Some(row) = row else {
+                    return Ok(OutboxStats::default());
+                };
+                let pending: i64 = row.get(0).map_err(db_error)?;
+                let dead: i64 = row.get(1).map_err(db_error)?;
+                let oldest: Option<i64> = row.get(2).map_err(db_error)?;
+                Ok(OutboxStats {
+                    pending: u64::try_from(pending).unwrap_or(0),
+                    dead: u64::try_from(dead).unwrap_or(0),
+                    oldest_pending_age: oldest.map(duration_of),
+                })
+            })
+            .await
+    }
+
+    async fn list_outbox(&self, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>, DbError> {
+        let state = filter.state.code();
+        let destination = filter
+            .destination
+            .as_deref()
+            .map(|d| ident_bytes("outbox destination", d))
+            .transpose()?;
+        let (after, limit) = (filter.after_id, i64::from(filter.limit));
+        let mut lease = self.lease().await?;
+        lease
+            .run(move |c| {
+                let params: [&dyn ToSql; 7] = [
+                    &state,
+                    &state,
+                    &state,
+                    &destination,
+                    &destination,
+                    &after,
+                    &limit,
+                ];
+                let rows = c.query(sql::LIST_OUTBOX, &params).map_err(db_error)?;
+                rows.map(|row| entry(&row.map_err(db_error)?)).collect()
+            })
+            .await
+    }
+
+    async fn retry_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        self.operator_write(ids, destination, sql::retry_ids, sql::RETRY_DEAD)
+            .await
+    }
+
+    async fn drop_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        self.operator_write(ids, destination, sql::drop_ids, sql::DROP_DEAD)
+            .await
+    }
+}
+
+impl OracleBackend {
+    /// One statement of an operator, committed: over `ids`, or over every dead message
+    /// (of `destination`).
+    async fn operator_write(
+        &self,
+        ids: &[i64],
+        destination: Option<&str>,
+        by_ids: fn(usize) -> String,
+        dead: &'static str,
+    ) -> Result<u64, DbError> {
+        let destination = destination
+            .map(|d| ident_bytes("outbox destination", d))
+            .transpose()?;
+        let ids = ids.to_vec();
+        let mut lease = self.lease().await?;
+        lease
+            .run(move |c| {
+                let done = if ids.is_empty() {
+                    let params: [&dyn ToSql; 2] = [&destination, &destination];
+                    c.execute(dead, &params)
+                } else {
+                    let params: Vec<&dyn ToSql> = ids.iter().map(|id| id as &dyn ToSql).collect();
+                    c.execute(&by_ids(ids.len()), &params)
+                };
+                match done.and_then(|s| s.row_count()) {
+                    Ok(n) => c
+                        .commit()
+                        .map(|()| n)
+                        .map_err(|e| rollback_after(c, db_error(e))),
+                    Err(e) => Err(rollback_after(c, db_error(e))),
+                }
+            })
+            .await
     }
 }
 

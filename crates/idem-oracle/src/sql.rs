@@ -194,9 +194,10 @@ pub(crate) const SELECT_RUN: &str = concat!(
     request_pk!(1, 2, 3),
     " FOR UPDATE"
 );
-/// The guarded write: changes the row only while its owner is the expected one and it
-/// has no final answer; the row count is the rows matched. Binds: owner, fence, point,
-/// state, status, response, lease (µs), principal, operation, key, expected owner.
+/// The guarded write, a compare-and-set: changes the row only while it holds the
+/// expected owner, fence and point and has no final answer; the row count is the rows
+/// matched. Binds: owner, fence, point, state, status, response, lease (µs), principal,
+/// operation, key, expected owner, expected fence, expected point.
 pub(crate) const WRITE_RUN: &str = concat!(
     "UPDATE idem_run SET owner = :1, fence = :2, point = :3, state = :4, status = :5, ",
     "response = :6, lease_until = ",
@@ -205,7 +206,16 @@ pub(crate) const WRITE_RUN: &str = concat!(
     now!(),
     " WHERE ",
     request_pk!(8, 9, 10),
-    " AND owner = :11 AND status IS NULL"
+    " AND owner = :11 AND fence = :12 AND point = :13 AND status IS NULL"
+);
+/// The lease alone (heartbeat, release): never the point or the state. Binds: lease
+/// (µs), principal, operation, key, owner, fence.
+pub(crate) const RENEW_LEASE: &str = concat!(
+    "UPDATE idem_run SET lease_until = ",
+    expiry!(1),
+    " WHERE ",
+    request_pk!(2, 3, 4),
+    " AND owner = :5 AND fence = :6 AND status IS NULL"
 );
 /// Deletes a run while its owner is the expected one (an expired run being replaced).
 /// Binds: principal, operation, key, expected owner.
@@ -214,6 +224,17 @@ pub(crate) const DELETE_RUN: &str = concat!(
     request_pk!(1, 2, 3),
     " AND owner = :4"
 );
+/// After a start's lock wait ran out: the run's row, unless another transaction holds
+/// it. Binds: principal, operation, key.
+pub(crate) const PROBE_RUN_LOCK: &str = concat!(
+    "SELECT 1 FROM idem_run WHERE ",
+    request_pk!(1, 2, 3),
+    " FOR UPDATE SKIP LOCKED"
+);
+/// Whether a committed row of the run exists (a plain query: never waits for locks).
+/// Binds: principal, operation, key.
+pub(crate) const PROBE_RUN_EXISTS: &str =
+    concat!("SELECT 1 FROM idem_run WHERE ", request_pk!(1, 2, 3));
 /// Unexpired runs without a final answer whose lease ended, the longest-stalled first
 /// (a plain query: no transaction). Binds: limit.
 pub(crate) const STALLED_RUNS: &str = concat!(
@@ -225,29 +246,141 @@ pub(crate) const STALLED_RUNS: &str = concat!(
     " ORDER BY lease_until FETCH FIRST :1 ROWS ONLY"
 );
 
+/// Microseconds in the `INTERVAL DAY TO SECOND` `$d` (a difference of two timestamps).
+macro_rules! micros_of {
+    ($d:expr) => {
+        concat!(
+            "ROUND(EXTRACT(DAY FROM (",
+            $d,
+            ")) * 86400000000 + EXTRACT(HOUR FROM (",
+            $d,
+            ")) * 3600000000 + EXTRACT(MINUTE FROM (",
+            $d,
+            ")) * 60000000 + EXTRACT(SECOND FROM (",
+            $d,
+            ")) * 1000000)"
+        )
+    };
+}
+
 /// Stores a message in the caller's transaction (`id` and `created_at` are generated).
 /// Binds: destination, message ID, payload.
 pub(crate) const ENQUEUE: &str =
     "INSERT INTO idem_outbox (destination, message_id, payload) VALUES (:1, :2, :3)";
-/// The oldest unsent messages, skipping rows other transactions hold. `FETCH FIRST`
-/// cannot be combined with `FOR UPDATE` (ORA-02014): with `SKIP LOCKED` a row is locked
-/// when it is fetched, so the backend fetches (and prefetches) at most the limit.
-pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
-     WHERE sent_at IS NULL ORDER BY id FOR UPDATE SKIP LOCKED";
-/// Every unsent message of a destination up to an id, rows other relays hold included
+/// The oldest due messages, skipping rows other transactions hold. Due: unsent, not
+/// dead, the next attempt's time passed, no unexpired claim, and no older pending
+/// message of the destination that is not due or is claimed. `FETCH FIRST` cannot be
+/// combined with `FOR UPDATE` (ORA-02014): with `SKIP LOCKED` a row is locked when it is
+/// fetched, so the backend fetches (and prefetches) at most the limit.
+pub(crate) const LOCK_DUE: &str = concat!(
+    "SELECT o.id, o.destination, o.message_id, o.payload, o.attempts FROM idem_outbox o ",
+    "WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= ",
+    now!(),
+    ") AND (o.claimed_until IS NULL OR o.claimed_until <= ",
+    now!(),
+    ") AND NOT EXISTS (SELECT 1 FROM idem_outbox b WHERE b.destination = o.destination ",
+    "AND b.id < o.id AND b.sent_at IS NULL AND b.dead_at IS NULL AND (b.next_attempt_at > ",
+    now!(),
+    " OR b.claimed_until > ",
+    now!(),
+    ")) ORDER BY o.id FOR UPDATE OF o.id SKIP LOCKED"
+);
+/// Every pending message of a destination up to an id, rows other relays hold included
 /// (a plain query reads committed data and never waits for locks). Binds: destination,
 /// up to (id).
-pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
-     WHERE destination = :1 AND sent_at IS NULL AND id <= :2 ORDER BY id";
-/// The start of [`mark_sent`]'s statement.
+pub(crate) const PENDING_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = :1 AND sent_at IS NULL AND dead_at IS NULL AND id <= :2 ORDER BY id";
+/// The start of [`claim_due`]'s statement. Binds: token, lease (µs), then the ids.
+pub(crate) const CLAIM_DUE: &str = concat!(
+    "UPDATE idem_outbox SET claim_token = :1, claimed_until = ",
+    expiry!(2),
+    ", attempts = attempts + 1 WHERE sent_at IS NULL AND id IN ("
+);
+/// The start of [`release`]'s statement. Binds: token, then the ids.
+pub(crate) const RELEASE: &str = "UPDATE idem_outbox SET claim_token = NULL, claimed_until = NULL, \
+     attempts = GREATEST(attempts - 1, 0) WHERE sent_at IS NULL AND claim_token = :1 AND id IN (";
+/// The start of [`mark_sent`]'s statement. Binds: token, then the ids.
 pub(crate) const MARK_SENT: &str = concat!(
     "UPDATE idem_outbox SET sent_at = ",
     now!(),
-    " WHERE id IN ("
+    ", claim_token = NULL, claimed_until = NULL WHERE sent_at IS NULL AND claim_token = :1 AND id IN ("
 );
-/// Marks `n` messages sent: [`MARK_SENT`] with `:1 … :n` (`n` ≥ 1). Binds: the ids.
+/// A failed attempt with attempts left: tried again after the delay. Only the pass's own
+/// claim, or no unexpired claim. Binds: error, delay (µs), id, token.
+pub(crate) const RETRY_LATER: &str = concat!(
+    "UPDATE idem_outbox SET last_error = :1, next_attempt_at = ",
+    expiry!(2),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = :3 AND sent_at IS NULL ",
+    "AND (claim_token = :4 OR claimed_until IS NULL OR claimed_until <= ",
+    now!(),
+    ")"
+);
+/// A failed attempt with none left: dead. Binds: error, id, token.
+pub(crate) const BURY: &str = concat!(
+    "UPDATE idem_outbox SET last_error = :1, dead_at = ",
+    now!(),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = :2 AND sent_at IS NULL ",
+    "AND (claim_token = :3 OR claimed_until IS NULL OR claimed_until <= ",
+    now!(),
+    ")"
+);
+/// The backlog: pending messages, dead ones, the oldest pending one's age (µs).
+pub(crate) const OUTBOX_STATS: &str = concat!(
+    "SELECT COUNT(CASE WHEN dead_at IS NULL THEN 1 END), COUNT(dead_at), MAX(CASE WHEN dead_at IS NULL THEN ",
+    micros_of!(concat!(now!(), " - created_at")),
+    " END) FROM idem_outbox WHERE sent_at IS NULL"
+);
+/// Unsent messages for an operator. Binds: state, state, state (0 unsent, 1 pending,
+/// 2 dead), destination or NULL, the same destination, after id, limit.
+pub(crate) const LIST_OUTBOX: &str = concat!(
+    "SELECT id, destination, message_id, attempts, CASE WHEN dead_at IS NULL THEN 0 ELSE 1 END, ",
+    "last_error, ",
+    micros_of!(concat!(now!(), " - created_at")),
+    ", CASE WHEN next_attempt_at > ",
+    now!(),
+    " THEN ",
+    micros_of!(concat!("next_attempt_at - ", now!())),
+    " END, CASE WHEN claimed_until > ",
+    now!(),
+    " THEN 1 ELSE 0 END FROM idem_outbox WHERE sent_at IS NULL ",
+    "AND (:1 = 0 OR (:2 = 1 AND dead_at IS NULL) OR (:3 = 2 AND dead_at IS NOT NULL)) ",
+    "AND (:4 IS NULL OR destination = :5) AND id > :6 ORDER BY id FETCH FIRST :7 ROWS ONLY"
+);
+/// The start of [`retry_ids`]'s statement: back to pending, due now, attempts reset.
+pub(crate) const RETRY_IDS: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+     attempts = 0 WHERE sent_at IS NULL AND id IN (";
+/// Every dead message back to pending. Binds: destination or NULL, the same.
+pub(crate) const RETRY_DEAD: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+     attempts = 0 WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (:1 IS NULL OR destination = :2)";
+/// The start of [`drop_ids`]'s statement: deletes unsent messages.
+pub(crate) const DROP_IDS: &str = "DELETE FROM idem_outbox WHERE sent_at IS NULL AND id IN (";
+/// Deletes every dead message. Binds: destination or NULL, the same.
+pub(crate) const DROP_DEAD: &str = "DELETE FROM idem_outbox \
+     WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (:1 IS NULL OR destination = :2)";
+
+/// `prefix` + `:{first}` … `:{first + n - 1}` + `)` (`n` ≥ 1).
+fn with_ids(prefix: &str, n: usize, first: usize) -> String {
+    idem_core::runs::in_list(prefix, n, |i| format!(":{}", i + first - 1))
+}
+/// Claims `n` messages: [`CLAIM_DUE`], the ids from `:3`.
+pub(crate) fn claim_due(n: usize) -> String {
+    with_ids(CLAIM_DUE, n, 3)
+}
+/// Gives back `n` messages: [`RELEASE`], the ids from `:2`.
+pub(crate) fn release(n: usize) -> String {
+    with_ids(RELEASE, n, 2)
+}
+/// Marks `n` messages sent: [`MARK_SENT`], the ids from `:2`.
 pub(crate) fn mark_sent(n: usize) -> String {
-    idem_core::runs::in_list(MARK_SENT, n, |i| format!(":{i}"))
+    with_ids(MARK_SENT, n, 2)
+}
+/// Retries `n` messages: [`RETRY_IDS`], the ids from `:1`.
+pub(crate) fn retry_ids(n: usize) -> String {
+    with_ids(RETRY_IDS, n, 1)
+}
+/// Drops `n` messages: [`DROP_IDS`], the ids from `:1`.
+pub(crate) fn drop_ids(n: usize) -> String {
+    with_ids(DROP_IDS, n, 1)
 }
 
 /// One bounded purge batch of runs that are expired **and** were started at least `:1`
@@ -303,11 +436,20 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_run", INSERT_RUN),
     ("select_run", SELECT_RUN),
     ("write_run", WRITE_RUN),
+    ("renew_lease", RENEW_LEASE),
     ("delete_run", DELETE_RUN),
+    ("probe_run_lock", PROBE_RUN_LOCK),
+    ("probe_run_exists", PROBE_RUN_EXISTS),
     ("stalled_runs", STALLED_RUNS),
     ("enqueue", ENQUEUE),
-    ("lock_unsent", LOCK_UNSENT),
-    ("unsent_ids", UNSENT_IDS),
+    ("lock_due", LOCK_DUE),
+    ("pending_ids", PENDING_IDS),
+    ("retry_later", RETRY_LATER),
+    ("bury", BURY),
+    ("outbox_stats", OUTBOX_STATS),
+    ("list_outbox", LIST_OUTBOX),
+    ("retry_dead", RETRY_DEAD),
+    ("drop_dead", DROP_DEAD),
     ("purge_runs", PURGE_RUNS),
     ("purge_outbox", PURGE_OUTBOX),
     ("create_migrations", CREATE_MIGRATIONS),
@@ -357,31 +499,55 @@ mod tests {
         insta::assert_snapshot!(text);
     }
 
+    /// A statement built for a number of ids.
+    type Built = fn(usize) -> String;
+
     #[test]
     fn built_statements_snapshot() {
-        let text = [1, 3]
-            .map(|n| format!("-- mark_sent({n})\n{}\n", super::mark_sent(n)))
+        let built: [(&str, Built); 5] = [
+            ("claim_due", super::claim_due),
+            ("release", super::release),
+            ("mark_sent", super::mark_sent),
+            ("retry_ids", super::retry_ids),
+            ("drop_ids", super::drop_ids),
+        ];
+        let text = built
+            .iter()
+            .flat_map(|(name, f)| [1, 3].map(|n| format!("-- {name}({n})\n{}\n", f(n))))
+            .collect::<Vec<_>>()
             .join("\n");
         insta::assert_snapshot!(text);
     }
 
     #[test]
-    fn mark_sent_binds_one_placeholder_per_id_in_order() {
+    fn id_lists_bind_one_placeholder_per_id_in_order() {
         for n in [1, 2, 10, idem_core::runs::MAX_RELAY_BATCH as usize] {
-            let sql = super::mark_sent(n);
-            let want: Vec<u32> = (1..=u32::try_from(n).unwrap_or(0)).collect();
-            assert_eq!(placeholders(&sql), want, "{sql}");
+            for (sql, before) in [
+                (super::claim_due(n), 2),
+                (super::release(n), 1),
+                (super::mark_sent(n), 1),
+                (super::retry_ids(n), 0),
+                (super::drop_ids(n), 0),
+            ] {
+                let want: Vec<u32> = (1..=u32::try_from(n + before).unwrap_or(0)).collect();
+                assert_eq!(placeholders(&sql), want, "{sql}");
+            }
         }
         // Never an empty `IN ()`, which is a syntax error.
-        assert!(super::mark_sent(0).ends_with("(:1)"));
+        assert!(super::retry_ids(0).ends_with("(:1)"));
     }
 
     #[test]
     fn run_statements_lock_what_they_must() {
         assert!(super::SELECT_RUN.ends_with(" FOR UPDATE"));
-        assert!(super::LOCK_UNSENT.ends_with(" FOR UPDATE SKIP LOCKED"));
-        assert!(!super::LOCK_UNSENT.contains("FETCH FIRST"), "ORA-02014");
-        for plain in [super::UNSENT_IDS, super::STALLED_RUNS] {
+        assert!(super::LOCK_DUE.ends_with(" SKIP LOCKED"));
+        assert!(!super::LOCK_DUE.contains("FETCH FIRST"), "ORA-02014");
+        assert!(super::PROBE_RUN_LOCK.ends_with(" FOR UPDATE SKIP LOCKED"));
+        for plain in [
+            super::PENDING_IDS,
+            super::STALLED_RUNS,
+            super::PROBE_RUN_EXISTS,
+        ] {
             assert!(!plain.contains("FOR UPDATE"), "{plain}");
         }
     }

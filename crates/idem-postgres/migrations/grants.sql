@@ -1,5 +1,5 @@
 -- idem: least-privilege roles for PostgreSQL 15+. Not a migration: run it as the owner
--- of idem's tables, in their schema (search_path), AFTER the migrations (0001 to 0003),
+-- of idem's tables, in their schema (search_path), AFTER the migrations (0001 to 0004),
 -- and again after any later migration. It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
@@ -8,10 +8,12 @@
 --                No DELETE, no TRUNCATE, no UPDATE of the key columns.
 --                Phased runs (Idem::start, Run, Idem::complete): read, insert, the
 --                guarded write (UPDATE of the non-key columns only) and the DELETE of an
---                expired run being replaced. The outbox (enqueue, Idem::relay): read,
---                insert, and mark sent (UPDATE of sent_at only).
+--                expired run being replaced. The outbox (enqueue, Idem::relay,
+--                Idem::outbox_retry / `idem outbox retry`): read, insert, and the relay's
+--                bookkeeping (UPDATE of sent_at and the retry columns of 0004 only).
 --   idem_purger  what `idem purge` / Idem::purge need: read and delete records, expired
---                runs and sent outbox messages.
+--                runs and sent outbox messages; also what `idem outbox drop` /
+--                Idem::outbox_drop needs (DELETE of unsent outbox messages).
 --
 -- Both are NOLOGIN group roles: grant them to your application's login roles
 -- (GRANT idem_writer TO app_login;). Migrations keep running as the owner.
@@ -53,7 +55,7 @@ GRANT UPDATE (expires_at) ON idem_request_result, idem_processed_message TO idem
 GRANT SELECT, INSERT, DELETE ON idem_run TO idem_writer;
 GRANT UPDATE (owner, fence, point, state, status, response, lease_until, updated_at) ON idem_run TO idem_writer;
 GRANT SELECT, INSERT ON idem_outbox TO idem_writer;
-GRANT UPDATE (sent_at) ON idem_outbox TO idem_writer;
+GRANT UPDATE (sent_at, attempts, next_attempt_at, claim_token, claimed_until, last_error, dead_at) ON idem_outbox TO idem_writer;
 GRANT SELECT, DELETE ON idem_run, idem_outbox TO idem_purger;
 GRANT UPDATE (updated_at) ON idem_run TO idem_purger;
 GRANT UPDATE (created_at) ON idem_outbox TO idem_purger;

@@ -94,6 +94,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0003_runs_and_outbox.sql",
         sql: include_str!("../migrations/0003_runs_and_outbox.sql"),
     },
+    Migration {
+        version: 4,
+        name: "0004_outbox_retries.sql",
+        sql: include_str!("../migrations/0004_outbox_retries.sql"),
+    },
 ];
 
 /// An idem backend on a PostgreSQL pool.

@@ -134,37 +134,95 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
 
-/// A new phased run, committed at its start: `created_at`, `updated_at`, `lease_until`
-/// and `expires_at` come from one reading of the database clock. A conflicting insert
-/// waits for the other transaction, then does nothing. Params: principal, operation,
-/// key, request, owner, fence, point, lease (s), retention (s).
+// Phased runs and the outbox. The database clock is `statement_timestamp()` (STABLE:
+// one value per statement), never a VOLATILE function such as `clock_timestamp()`, so
+// every statement stays valid on Citus with `idem_run` distributed by `principal`
+// (Citus refuses VOLATILE functions in modifications of distributed tables). Run
+// statements are keyed by the full primary key, so each stays on one shard.
+
+/// The database clock of run and outbox statements.
+macro_rules! stmt_now {
+    () => {
+        "statement_timestamp()"
+    };
+}
+/// `stmt_now!() + $n seconds`.
+macro_rules! from_now {
+    ($n:literal) => {
+        concat!("statement_timestamp() + make_interval(secs => $", $n, ")")
+    };
+}
+/// Microseconds from `$a` to `$b` (two timestamps), as a `bigint`.
+macro_rules! micros_between {
+    ($a:expr, $b:expr) => {
+        concat!(
+            "(extract(epoch FROM ",
+            $b,
+            " - ",
+            $a,
+            ") * 1000000)::bigint"
+        )
+    };
+}
+/// The pass's own claim, or no unexpired claim: `$n` is the pass's token.
+macro_rules! ours_or_unclaimed {
+    ($n:literal) => {
+        concat!(
+            "(claim_token = $",
+            $n,
+            " OR claimed_until IS NULL OR claimed_until <= statement_timestamp())"
+        )
+    };
+}
+
+/// A new phased run, committed at its start; a conflicting insert waits for the other
+/// transaction, then does nothing. Params: principal, operation, key, request, owner,
+/// fence, point, lease (s), retention (s).
 pub(crate) const INSERT_RUN: &str = concat!(
     "INSERT INTO idem_run (principal, operation, request_key, request, owner, fence, point, ",
-    "lease_until, created_at, updated_at, expires_at) ",
-    "SELECT $1, $2, $3, $4, $5, $6, $7, now.t + make_interval(secs => $8), now.t, now.t, ",
-    "now.t + make_interval(secs => $9) FROM ",
-    now!(),
-    " ON CONFLICT (principal, operation, request_key) DO NOTHING"
+    "lease_until, created_at, updated_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6, $7, ",
+    from_now!(8),
+    ", ",
+    stmt_now!(),
+    ", ",
+    stmt_now!(),
+    ", ",
+    from_now!(9),
+    ") ON CONFLICT (principal, operation, request_key) DO NOTHING"
 );
 /// A run, with its lease and retention read against the database clock, locked until
 /// the transaction ends. Params: principal, operation, key.
 pub(crate) const SELECT_RUN: &str = concat!(
-    "SELECT request, owner, fence, point, state, status, response, ",
-    "lease_until <= clock_timestamp() AS lease_over, expires_at <= clock_timestamp() AS expired ",
-    "FROM idem_run WHERE ",
+    "SELECT request, owner, fence, point, state, status, response, lease_until <= ",
+    stmt_now!(),
+    " AS lease_over, expires_at <= ",
+    stmt_now!(),
+    " AS expired FROM idem_run WHERE ",
     request_pk!(),
     " FOR UPDATE"
 );
-/// The guarded write: only while the owner is still the expected one and the run has no
-/// final answer. Params: principal, operation, key, expected owner, owner, fence, point,
-/// state, status, response, lease (s).
+/// The guarded write, a compare-and-set: only while the row holds the expected owner,
+/// fence and point and has no final answer. Params: principal, operation, key,
+/// expected owner, owner, fence, point, state, status, response, lease (s), expected
+/// fence, expected point.
 pub(crate) const WRITE_RUN: &str = concat!(
     "UPDATE idem_run SET owner = $5, fence = $6, point = $7, state = $8, status = $9, ",
-    "response = $10, lease_until = now.t + make_interval(secs => $11), updated_at = now.t FROM ",
-    now!(),
+    "response = $10, lease_until = ",
+    from_now!(11),
+    ", updated_at = ",
+    stmt_now!(),
     " WHERE ",
     request_pk!(),
-    " AND owner = $4 AND status IS NULL"
+    " AND owner = $4 AND fence = $12 AND point = $13 AND status IS NULL"
+);
+/// The lease alone (heartbeat, release): never the point or the state. Params:
+/// principal, operation, key, owner, fence, lease (s).
+pub(crate) const RENEW_LEASE: &str = concat!(
+    "UPDATE idem_run SET lease_until = ",
+    from_now!(6),
+    " WHERE ",
+    request_pk!(),
+    " AND owner = $4 AND fence = $5 AND status IS NULL"
 );
 /// Deletes a run while its owner is the expected one. Params: principal, operation,
 /// key, expected owner.
@@ -173,57 +231,156 @@ pub(crate) const DELETE_RUN: &str = concat!(
     request_pk!(),
     " AND owner = $4"
 );
+/// After a start's lock wait ran out: the run's row, unless another transaction holds
+/// it. Params: principal, operation, key.
+pub(crate) const PROBE_RUN_LOCK: &str = concat!(
+    "SELECT 1 FROM idem_run WHERE ",
+    request_pk!(),
+    " FOR UPDATE SKIP LOCKED"
+);
+/// Whether a committed row of the run exists (a plain read: never waits for row locks).
+/// Params: principal, operation, key.
+pub(crate) const PROBE_RUN_EXISTS: &str = concat!("SELECT 1 FROM idem_run WHERE ", request_pk!());
 /// Unexpired runs without a final answer whose lease ended, the longest-stalled first.
 /// Params: limit.
 pub(crate) const STALLED_RUNS: &str = concat!(
     "SELECT principal, operation, request_key, point FROM idem_run ",
-    "WHERE status IS NULL AND lease_until <= clock_timestamp() AND expires_at > clock_timestamp() ",
-    "ORDER BY lease_until LIMIT $1"
+    "WHERE status IS NULL AND lease_until <= ",
+    stmt_now!(),
+    " AND expires_at > ",
+    stmt_now!(),
+    " ORDER BY lease_until LIMIT $1"
 );
 
 /// Params: destination, message ID, payload.
-pub(crate) const ENQUEUE: &str =
-    "INSERT INTO idem_outbox (destination, message_id, payload) VALUES ($1, $2, $3)";
-/// The oldest unsent messages, locked; rows another relay holds are skipped. Params:
-/// limit.
-pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
-     WHERE sent_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED";
-/// Every unsent message of a destination up to an id, including rows other relays hold
-/// (a plain read). Params: destination, up to.
-pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
-     WHERE destination = $1 AND sent_at IS NULL AND id <= $2 ORDER BY id";
-/// Params: the ids (`bigint[]`).
-pub(crate) const MARK_SENT: &str =
-    "UPDATE idem_outbox SET sent_at = clock_timestamp() WHERE id = ANY($1) AND sent_at IS NULL";
+pub(crate) const ENQUEUE: &str = concat!(
+    "INSERT INTO idem_outbox (destination, message_id, payload, created_at) VALUES ($1, $2, $3, ",
+    stmt_now!(),
+    ")"
+);
+/// The oldest due messages, locked; rows another relay holds are skipped. Due: unsent,
+/// not dead, the next attempt's time passed, no unexpired claim, and no older pending
+/// message of the destination that is not due or is claimed. Params: limit.
+pub(crate) const LOCK_DUE: &str = concat!(
+    "SELECT o.id, o.destination, o.message_id, o.payload, o.attempts::bigint FROM idem_outbox AS o ",
+    "WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= ",
+    stmt_now!(),
+    ") AND (o.claimed_until IS NULL OR o.claimed_until <= ",
+    stmt_now!(),
+    ") AND NOT EXISTS (SELECT 1 FROM idem_outbox AS b WHERE b.destination = o.destination ",
+    "AND b.id < o.id AND b.sent_at IS NULL AND b.dead_at IS NULL AND (b.next_attempt_at > ",
+    stmt_now!(),
+    " OR b.claimed_until > ",
+    stmt_now!(),
+    ")) ORDER BY o.id LIMIT $1 FOR UPDATE OF o SKIP LOCKED"
+);
+/// Every pending (unsent, not dead) message of a destination up to an id, including rows
+/// other relays hold (a plain read). Params: destination, up to.
+pub(crate) const PENDING_IDS: &str = "SELECT id FROM idem_outbox \
+     WHERE destination = $1 AND sent_at IS NULL AND dead_at IS NULL AND id <= $2 ORDER BY id";
+/// Claims messages for a pass (one more attempt each). Params: token, lease (s), ids
+/// (`bigint[]`).
+pub(crate) const CLAIM_DUE: &str = concat!(
+    "UPDATE idem_outbox SET claim_token = $1, claimed_until = ",
+    from_now!(2),
+    ", attempts = attempts + 1 WHERE id = ANY($3) AND sent_at IS NULL"
+);
+/// Gives back claimed messages the pass did not try (the attempt uncounted). Params:
+/// token, ids.
+pub(crate) const RELEASE: &str = "UPDATE idem_outbox SET claim_token = NULL, claimed_until = NULL, \
+     attempts = greatest(attempts - 1, 0) WHERE id = ANY($2) AND sent_at IS NULL AND claim_token = $1";
+/// Marks the pass's published messages sent. Params: token, ids.
+pub(crate) const MARK_SENT: &str = concat!(
+    "UPDATE idem_outbox SET sent_at = ",
+    stmt_now!(),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = ANY($2) AND sent_at IS NULL AND claim_token = $1"
+);
+/// A failed attempt with attempts left. Params: error, delay (s), id, token.
+pub(crate) const RETRY_LATER: &str = concat!(
+    "UPDATE idem_outbox SET last_error = $1, next_attempt_at = ",
+    from_now!(2),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = $3 AND sent_at IS NULL AND ",
+    ours_or_unclaimed!(4)
+);
+/// A failed attempt with none left: dead. Params: error, id, token.
+pub(crate) const BURY: &str = concat!(
+    "UPDATE idem_outbox SET last_error = $1, dead_at = ",
+    stmt_now!(),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = $2 AND sent_at IS NULL AND ",
+    ours_or_unclaimed!(3)
+);
+/// The backlog: pending messages, dead ones, the oldest pending one's age (µs).
+pub(crate) const OUTBOX_STATS: &str = concat!(
+    "SELECT count(*) FILTER (WHERE dead_at IS NULL), count(dead_at), ",
+    micros_between!(
+        "min(created_at) FILTER (WHERE dead_at IS NULL)",
+        stmt_now!()
+    ),
+    " FROM idem_outbox WHERE sent_at IS NULL"
+);
+/// Unsent messages for an operator. Params: state (0 unsent, 1 pending, 2 dead),
+/// destination or NULL, after id, limit.
+pub(crate) const LIST_OUTBOX: &str = concat!(
+    "SELECT id, destination, message_id, attempts::bigint, dead_at IS NOT NULL, last_error, ",
+    micros_between!("created_at", stmt_now!()),
+    ", CASE WHEN next_attempt_at > ",
+    stmt_now!(),
+    " THEN ",
+    micros_between!(stmt_now!(), "next_attempt_at"),
+    " END, coalesce(claimed_until > ",
+    stmt_now!(),
+    ", false) FROM idem_outbox WHERE sent_at IS NULL ",
+    "AND ($1 = 0 OR ($1 = 1 AND dead_at IS NULL) OR ($1 = 2 AND dead_at IS NOT NULL)) ",
+    "AND ($2::text IS NULL OR destination = $2) AND id > $3 ORDER BY id LIMIT $4"
+);
+/// Back to pending, due now, attempts reset. Params: ids.
+pub(crate) const RETRY_IDS: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+     attempts = 0 WHERE id = ANY($1) AND sent_at IS NULL";
+/// Every dead message back to pending. Params: destination or NULL.
+pub(crate) const RETRY_DEAD: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+     attempts = 0 WHERE sent_at IS NULL AND dead_at IS NOT NULL AND ($1::text IS NULL OR destination = $1)";
+/// Deletes unsent messages. Params: ids.
+pub(crate) const DROP_IDS: &str = "DELETE FROM idem_outbox WHERE id = ANY($1) AND sent_at IS NULL";
+/// Deletes every dead message. Params: destination or NULL.
+pub(crate) const DROP_DEAD: &str = "DELETE FROM idem_outbox \
+     WHERE sent_at IS NULL AND dead_at IS NOT NULL AND ($1::text IS NULL OR destination = $1)";
+
+/// `statement_timestamp()` minus `$n` seconds: the purges' age cutoff (STABLE, as the
+/// run and outbox statements' clock).
+macro_rules! stmt_cutoff {
+    ($n:literal) => {
+        concat!("statement_timestamp() - make_interval(secs => $", $n, ")")
+    };
+}
 
 /// Runs that are expired **and** were started at least `$1` seconds ago, oldest expiry
 /// first; rows locked by a live transaction are skipped. Params: older than (s), limit.
 pub(crate) const PURGE_RUNS: &str = concat!(
     "DELETE FROM idem_run WHERE (principal, operation, request_key) IN (",
-    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= clock_timestamp() AND created_at <= ",
-    cutoff!(1),
+    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= statement_timestamp() AND created_at <= ",
+    stmt_cutoff!(1),
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
 /// [`PURGE_RUNS`] without row locks (see [`PURGE_REQUESTS_DISTRIBUTED`]).
 pub(crate) const PURGE_RUNS_DISTRIBUTED: &str = concat!(
     "DELETE FROM idem_run WHERE (principal, operation, request_key) IN (",
-    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= clock_timestamp() AND created_at <= ",
-    cutoff!(1),
+    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= statement_timestamp() AND created_at <= ",
+    stmt_cutoff!(1),
     " ORDER BY expires_at LIMIT $2)"
 );
-/// Outbox messages sent at least `$1` seconds ago, oldest first; unsent messages are
-/// never purged. Params: older than (s), limit.
+/// Outbox messages sent at least `$1` seconds ago, oldest first; unsent messages
+/// (pending or dead) are never purged. Params: older than (s), limit.
 pub(crate) const PURGE_OUTBOX: &str = concat!(
     "DELETE FROM idem_outbox WHERE id IN (",
     "SELECT id FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
-    cutoff!(1),
+    stmt_cutoff!(1),
     " ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
 /// [`PURGE_OUTBOX`] without row locks (see [`PURGE_REQUESTS_DISTRIBUTED`]).
 pub(crate) const PURGE_OUTBOX_DISTRIBUTED: &str = concat!(
     "DELETE FROM idem_outbox WHERE id IN (",
     "SELECT id FROM idem_outbox WHERE sent_at IS NOT NULL AND sent_at <= ",
-    cutoff!(1),
+    stmt_cutoff!(1),
     " ORDER BY id LIMIT $2)"
 );
 
@@ -272,12 +429,25 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_run", INSERT_RUN),
     ("select_run", SELECT_RUN),
     ("write_run", WRITE_RUN),
+    ("renew_lease", RENEW_LEASE),
     ("delete_run", DELETE_RUN),
+    ("probe_run_lock", PROBE_RUN_LOCK),
+    ("probe_run_exists", PROBE_RUN_EXISTS),
     ("stalled_runs", STALLED_RUNS),
     ("enqueue", ENQUEUE),
-    ("lock_unsent", LOCK_UNSENT),
-    ("unsent_ids", UNSENT_IDS),
+    ("lock_due", LOCK_DUE),
+    ("pending_ids", PENDING_IDS),
+    ("claim_due", CLAIM_DUE),
+    ("release", RELEASE),
     ("mark_sent", MARK_SENT),
+    ("retry_later", RETRY_LATER),
+    ("bury", BURY),
+    ("outbox_stats", OUTBOX_STATS),
+    ("list_outbox", LIST_OUTBOX),
+    ("retry_ids", RETRY_IDS),
+    ("retry_dead", RETRY_DEAD),
+    ("drop_ids", DROP_IDS),
+    ("drop_dead", DROP_DEAD),
     ("purge_runs", PURGE_RUNS),
     ("purge_runs_distributed", PURGE_RUNS_DISTRIBUTED),
     ("purge_outbox", PURGE_OUTBOX),
@@ -303,6 +473,68 @@ mod tests {
         ] {
             assert!(!sql.contains("FOR UPDATE"), "{sql}");
             assert!(sql.contains("LIMIT $2"), "still bounded: {sql}");
+        }
+    }
+
+    /// Every statement of phased runs and the outbox stays valid on Citus with idem's
+    /// tables distributed: no VOLATILE function anywhere in them (the database clock is
+    /// the STABLE `statement_timestamp()`), and the run's row lock is keyed by the full
+    /// primary key (one shard).
+    #[test]
+    fn run_and_outbox_statements_follow_the_citus_rules() {
+        const VOLATILE: [&str; 5] = [
+            "clock_timestamp(",
+            "random(",
+            "timeofday(",
+            "gen_random_uuid(",
+            "nextval(",
+        ];
+        let runs = [
+            super::INSERT_RUN,
+            super::SELECT_RUN,
+            super::WRITE_RUN,
+            super::RENEW_LEASE,
+            super::DELETE_RUN,
+            super::PROBE_RUN_LOCK,
+            super::PROBE_RUN_EXISTS,
+            super::STALLED_RUNS,
+            super::PURGE_RUNS,
+            super::PURGE_RUNS_DISTRIBUTED,
+        ];
+        let outbox = [
+            super::ENQUEUE,
+            super::LOCK_DUE,
+            super::PENDING_IDS,
+            super::CLAIM_DUE,
+            super::RELEASE,
+            super::MARK_SENT,
+            super::RETRY_LATER,
+            super::BURY,
+            super::OUTBOX_STATS,
+            super::LIST_OUTBOX,
+            super::RETRY_IDS,
+            super::RETRY_DEAD,
+            super::DROP_IDS,
+            super::DROP_DEAD,
+            super::PURGE_OUTBOX,
+            super::PURGE_OUTBOX_DISTRIBUTED,
+        ];
+        for sql in runs.iter().chain(outbox.iter()) {
+            for f in VOLATILE {
+                assert!(!sql.contains(f), "a VOLATILE function in {sql}");
+            }
+        }
+        for sql in [super::SELECT_RUN, super::PROBE_RUN_LOCK] {
+            assert!(
+                sql.contains("principal = $1 AND operation = $2 AND request_key = $3"),
+                "a run's row lock keyed by the full primary key: {sql}"
+            );
+        }
+        for sql in [super::WRITE_RUN, super::RENEW_LEASE, super::DELETE_RUN] {
+            assert!(
+                sql.contains("WHERE principal = $1 AND operation = $2 AND request_key = $3"),
+                "{sql}"
+            );
         }
     }
 

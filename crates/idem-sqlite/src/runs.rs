@@ -11,7 +11,10 @@
 use std::time::Duration;
 
 use idem_core::outbox::Outgoing;
-use idem_core::runs::{NewRun, OutboxRow, RunRow, RunWrite, StalledRow};
+use idem_core::runs::{
+    DueRow, NewRun, OutboxEntry, OutboxFilter, OutboxRow, OutboxStats, RunGuard, RunProbe, RunRow,
+    RunWrite, StalledRow,
+};
 use idem_core::{DbError, ErrorKind, Key, OutboxStore, RunStore, Scope, Status};
 use rusqlite::{OptionalExtension, params};
 
@@ -158,15 +161,16 @@ impl RunStore for SqliteBackend {
         tx: &mut SqliteTx,
         scope: &Scope,
         key: &Key,
-        expected: &str,
+        expected: &RunGuard<'_>,
         write: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
         let (p, o, k) = pk(scope, key);
-        let (expected, owner, point) = (
-            expected.to_owned(),
-            write.owner.to_owned(),
-            write.point.to_owned(),
+        let (expected_owner, expected_fence, expected_point) = (
+            expected.owner.to_owned(),
+            expected.fence,
+            expected.point.to_owned(),
         );
+        let (owner, point) = (write.owner.to_owned(), write.point.to_owned());
         let (state, response) = (
             write.state.map(str::to_owned),
             write.response.map(str::to_owned),
@@ -179,12 +183,56 @@ impl RunStore for SqliteBackend {
         tx.lease
             .run(move |c| {
                 c.prepare_cached(sql::WRITE_RUN)?.execute(params![
-                    p, o, k, expected, owner, fence, point, state, status, response, lease
+                    p,
+                    o,
+                    k,
+                    expected_owner,
+                    owner,
+                    fence,
+                    point,
+                    state,
+                    status,
+                    response,
+                    lease,
+                    expected_fence,
+                    expected_point
                 ])
             })
             .await
             .map(|n| n == 1)
             .map_err(db_error)
+    }
+
+    async fn renew_lease(
+        &self,
+        tx: &mut SqliteTx,
+        scope: &Scope,
+        key: &Key,
+        owner: &str,
+        fence: i64,
+        lease: Duration,
+    ) -> Result<bool, DbError> {
+        let (p, o, k) = pk(scope, key);
+        let (owner, lease) = (owner.to_owned(), span(lease));
+        tx.lease
+            .run(move |c| {
+                c.prepare_cached(sql::RENEW_LEASE)?
+                    .execute(params![p, o, k, owner, fence, lease])
+            })
+            .await
+            .map(|n| n == 1)
+            .map_err(db_error)
+    }
+
+    /// SQLite has no row locks: a start waits for the database's write lock, never for
+    /// a run's row, so whatever held it was not this run.
+    async fn probe_run(
+        &self,
+        _tx: &mut SqliteTx,
+        _scope: &Scope,
+        _key: &Key,
+    ) -> Result<RunProbe, DbError> {
+        Ok(RunProbe::Free)
     }
 
     async fn delete_run(
@@ -240,16 +288,19 @@ impl OutboxStore for SqliteBackend {
             .map_err(db_error)
     }
 
-    async fn lock_unsent(&self, tx: &mut SqliteTx, limit: u32) -> Result<Vec<OutboxRow>, DbError> {
+    async fn lock_due(&self, tx: &mut SqliteTx, limit: u32) -> Result<Vec<DueRow>, DbError> {
         tx.lease
             .run(move |c| {
-                c.prepare_cached(sql::LOCK_UNSENT)?
+                c.prepare_cached(sql::LOCK_DUE)?
                     .query_map([limit], |r| {
-                        Ok(OutboxRow {
-                            id: r.get(0)?,
-                            destination: r.get(1)?,
-                            message_id: r.get(2)?,
-                            payload: r.get(3)?,
+                        Ok(DueRow {
+                            row: OutboxRow {
+                                id: r.get(0)?,
+                                destination: r.get(1)?,
+                                message_id: r.get(2)?,
+                                payload: r.get(3)?,
+                            },
+                            attempts: r.get(4)?,
                         })
                     })?
                     .collect::<rusqlite::Result<Vec<_>>>()
@@ -258,7 +309,7 @@ impl OutboxStore for SqliteBackend {
             .map_err(db_error)
     }
 
-    async fn unsent_ids(
+    async fn pending_ids(
         &self,
         tx: &mut SqliteTx,
         destination: &str,
@@ -267,7 +318,7 @@ impl OutboxStore for SqliteBackend {
         let destination = destination.to_owned();
         tx.lease
             .run(move |c| {
-                c.prepare_cached(sql::UNSENT_IDS)?
+                c.prepare_cached(sql::PENDING_IDS)?
                     .query_map(params![destination, up_to], |r| r.get(0))?
                     .collect::<rusqlite::Result<Vec<i64>>>()
             })
@@ -275,16 +326,149 @@ impl OutboxStore for SqliteBackend {
             .map_err(db_error)
     }
 
-    async fn mark_sent(&self, tx: &mut SqliteTx, ids: &[i64]) -> Result<(), DbError> {
-        if ids.is_empty() {
-            return Ok(());
-        }
-        let list: Vec<String> = ids.iter().map(i64::to_string).collect();
-        let json = format!("[{}]", list.join(","));
+    async fn claim_due(
+        &self,
+        tx: &mut SqliteTx,
+        ids: &[i64],
+        token: &str,
+        lease: Duration,
+    ) -> Result<(), DbError> {
+        let (json, token, lease) = (json_ids(ids), token.to_owned(), span(lease));
         tx.lease
-            .run(move |c| c.prepare_cached(sql::MARK_SENT)?.execute([json]))
+            .run(move |c| {
+                c.prepare_cached(sql::CLAIM_DUE)?
+                    .execute(params![token, lease, json])
+            })
             .await
             .map(drop)
             .map_err(db_error)
     }
+
+    async fn release(&self, tx: &mut SqliteTx, ids: &[i64], token: &str) -> Result<(), DbError> {
+        let (json, token) = (json_ids(ids), token.to_owned());
+        tx.lease
+            .run(move |c| {
+                c.prepare_cached(sql::RELEASE)?
+                    .execute(params![token, json])
+            })
+            .await
+            .map(drop)
+            .map_err(db_error)
+    }
+
+    async fn mark_sent(&self, tx: &mut SqliteTx, ids: &[i64], token: &str) -> Result<u64, DbError> {
+        let (json, token) = (json_ids(ids), token.to_owned());
+        tx.lease
+            .run(move |c| {
+                c.prepare_cached(sql::MARK_SENT)?
+                    .execute(params![token, json])
+            })
+            .await
+            .map(|n| n as u64)
+            .map_err(db_error)
+    }
+
+    async fn record_failure(
+        &self,
+        tx: &mut SqliteTx,
+        id: i64,
+        token: &str,
+        error: &str,
+        retry_in: Option<Duration>,
+    ) -> Result<bool, DbError> {
+        let (token, error) = (token.to_owned(), error.to_owned());
+        let delay = retry_in.map(span);
+        tx.lease
+            .run(move |c| match delay {
+                Some(delay) => c
+                    .prepare_cached(sql::RETRY_LATER)?
+                    .execute(params![error, delay, id, token]),
+                None => c
+                    .prepare_cached(sql::BURY)?
+                    .execute(params![error, id, token]),
+            })
+            .await
+            .map(|n| n == 1)
+            .map_err(db_error)
+    }
+
+    async fn outbox_stats(&self) -> Result<OutboxStats, DbError> {
+        let (pending, dead, oldest): (i64, i64, Option<i64>) = self
+            .interact(|c| {
+                c.prepare_cached(sql::OUTBOX_STATS)?
+                    .query_row([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            })
+            .await?;
+        Ok(OutboxStats {
+            pending: u64::try_from(pending).unwrap_or(0),
+            dead: u64::try_from(dead).unwrap_or(0),
+            oldest_pending_age: oldest.map(duration_of),
+        })
+    }
+
+    async fn list_outbox(&self, filter: &OutboxFilter) -> Result<Vec<OutboxEntry>, DbError> {
+        let (state, destination, after, limit) = (
+            filter.state.code(),
+            filter.destination.clone(),
+            filter.after_id,
+            filter.limit,
+        );
+        self.interact(move |c| {
+            c.prepare_cached(sql::LIST_OUTBOX)?
+                .query_map(params![state, destination, after, limit], |r| {
+                    Ok(OutboxEntry {
+                        id: r.get(0)?,
+                        destination: r.get(1)?,
+                        message_id: r.get(2)?,
+                        attempts: r.get(3)?,
+                        dead: r.get(4)?,
+                        last_error: r.get(5)?,
+                        age: duration_of(r.get(6)?),
+                        next_attempt_in: r.get::<_, Option<i64>>(7)?.map(duration_of),
+                        claimed: r.get(8)?,
+                    })
+                })?
+                .collect()
+        })
+        .await
+    }
+
+    async fn retry_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        let (json, destination) = (json_ids(ids), destination.map(str::to_owned));
+        let by_ids = !ids.is_empty();
+        self.interact(move |c| {
+            if by_ids {
+                c.prepare_cached(sql::RETRY_IDS)?.execute([json])
+            } else {
+                c.prepare_cached(sql::RETRY_DEAD)?.execute([destination])
+            }
+        })
+        .await
+        .map(|n| n as u64)
+    }
+
+    async fn drop_outbox(&self, ids: &[i64], destination: Option<&str>) -> Result<u64, DbError> {
+        let (json, destination) = (json_ids(ids), destination.map(str::to_owned));
+        let by_ids = !ids.is_empty();
+        self.interact(move |c| {
+            if by_ids {
+                c.prepare_cached(sql::DROP_IDS)?.execute([json])
+            } else {
+                c.prepare_cached(sql::DROP_DEAD)?.execute([destination])
+            }
+        })
+        .await
+        .map(|n| n as u64)
+    }
+}
+
+/// Ids as one JSON array parameter (`[3,4,7]`), read with `json_each`.
+fn json_ids(ids: &[i64]) -> String {
+    let list: Vec<String> = ids.iter().map(i64::to_string).collect();
+    format!("[{}]", list.join(","))
+}
+
+/// A span of microseconds from the database clock; a negative one (clock skew) is zero.
+fn duration_of(micros: i64) -> Duration {
+    Duration::from_micros(u64::try_from(micros).unwrap_or(0))
 }

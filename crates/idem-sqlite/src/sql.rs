@@ -95,16 +95,26 @@ pub(crate) const SELECT_RUN: &str = concat!(
     now_us!(),
     " FROM idem_run WHERE principal = ?1 AND operation = ?2 AND request_key = ?3"
 );
-/// The guarded write: only while the owner is still the expected one and the run has no
-/// final answer. Params: principal, operation, key, expected owner, owner, fence,
-/// point, state, status, response, lease (µs).
+/// The guarded write, a compare-and-set: only while the row holds the expected owner,
+/// fence and point and has no final answer. Params: principal, operation, key, expected
+/// owner, owner, fence, point, state, status, response, lease (µs), expected fence,
+/// expected point.
 pub(crate) const WRITE_RUN: &str = concat!(
     "UPDATE idem_run SET owner = ?5, fence = ?6, point = ?7, state = ?8, status = ?9, ",
     "response = ?10, lease_until = ",
     now_us!(),
     " + ?11, updated_at = ",
     now_us!(),
-    " WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND owner = ?4 AND status IS NULL"
+    " WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND owner = ?4 ",
+    "AND fence = ?12 AND point = ?13 AND status IS NULL"
+);
+/// The lease alone (heartbeat, release): never the point or the state. Params:
+/// principal, operation, key, owner, fence, lease (µs).
+pub(crate) const RENEW_LEASE: &str = concat!(
+    "UPDATE idem_run SET lease_until = ",
+    now_us!(),
+    " + ?6 WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 AND owner = ?4 ",
+    "AND fence = ?5 AND status IS NULL"
 );
 /// Params: principal, operation, key, expected owner.
 pub(crate) const DELETE_RUN: &str = "DELETE FROM idem_run \
@@ -125,19 +135,99 @@ pub(crate) const ENQUEUE: &str = concat!(
     now_us!(),
     ")"
 );
-/// The oldest unsent messages. No locking clause: `BEGIN IMMEDIATE` makes the relay the
-/// only writer. Params: limit.
-pub(crate) const LOCK_UNSENT: &str = "SELECT id, destination, message_id, payload FROM idem_outbox \
-    WHERE sent_at IS NULL ORDER BY id LIMIT ?1";
-/// Every unsent message of a destination up to an id. Params: destination, up to.
-pub(crate) const UNSENT_IDS: &str = "SELECT id FROM idem_outbox \
-    WHERE destination = ?1 AND sent_at IS NULL AND id <= ?2 ORDER BY id";
-/// One statement for every id. Params: the ids as a JSON array (`[3,4,7]`).
+/// The oldest due messages: unsent, not dead, their next attempt's time passed, no
+/// unexpired claim, and no older pending message of their destination that is not due
+/// or is claimed. No locking clause: `BEGIN IMMEDIATE` makes the relay the only writer.
+/// Params: limit.
+pub(crate) const LOCK_DUE: &str = concat!(
+    "SELECT o.id, o.destination, o.message_id, o.payload, o.attempts FROM idem_outbox AS o ",
+    "WHERE o.sent_at IS NULL AND o.dead_at IS NULL AND (o.next_attempt_at IS NULL OR o.next_attempt_at <= ",
+    now_us!(),
+    ") AND (o.claimed_until IS NULL OR o.claimed_until <= ",
+    now_us!(),
+    ") AND NOT EXISTS (SELECT 1 FROM idem_outbox AS b WHERE b.destination = o.destination ",
+    "AND b.id < o.id AND b.sent_at IS NULL AND b.dead_at IS NULL AND (b.next_attempt_at > ",
+    now_us!(),
+    " OR b.claimed_until > ",
+    now_us!(),
+    ")) ORDER BY o.id LIMIT ?1"
+);
+/// Every pending (unsent, not dead) message of a destination up to an id. Params:
+/// destination, up to.
+pub(crate) const PENDING_IDS: &str = "SELECT id FROM idem_outbox \
+    WHERE destination = ?1 AND sent_at IS NULL AND dead_at IS NULL AND id <= ?2 ORDER BY id";
+/// Claims messages for a pass (one more attempt each). Params: token, lease (µs), the
+/// ids as a JSON array (`[3,4,7]`).
+pub(crate) const CLAIM_DUE: &str = concat!(
+    "UPDATE idem_outbox SET claim_token = ?1, claimed_until = ",
+    now_us!(),
+    " + ?2, attempts = attempts + 1 WHERE sent_at IS NULL AND id IN (SELECT value FROM json_each(?3))"
+);
+/// Gives back claimed messages the pass did not try (the attempt uncounted). Params:
+/// token, the ids as a JSON array.
+pub(crate) const RELEASE: &str = "UPDATE idem_outbox SET claim_token = NULL, claimed_until = NULL, \
+    attempts = max(attempts - 1, 0) WHERE sent_at IS NULL AND claim_token = ?1 \
+    AND id IN (SELECT value FROM json_each(?2))";
+/// Marks the pass's published messages sent. Params: token, the ids as a JSON array.
 pub(crate) const MARK_SENT: &str = concat!(
     "UPDATE idem_outbox SET sent_at = ",
     now_us!(),
-    " WHERE sent_at IS NULL AND id IN (SELECT value FROM json_each(?1))"
+    ", claim_token = NULL, claimed_until = NULL WHERE sent_at IS NULL AND claim_token = ?1 ",
+    "AND id IN (SELECT value FROM json_each(?2))"
 );
+/// A failed attempt with attempts left: tried again after the delay. Only the pass's own
+/// claim, or no unexpired claim. Params: error, delay (µs), id, token.
+pub(crate) const RETRY_LATER: &str = concat!(
+    "UPDATE idem_outbox SET last_error = ?1, next_attempt_at = ",
+    now_us!(),
+    " + ?2, claim_token = NULL, claimed_until = NULL WHERE id = ?3 AND sent_at IS NULL ",
+    "AND (claim_token = ?4 OR claimed_until IS NULL OR claimed_until <= ",
+    now_us!(),
+    ")"
+);
+/// A failed attempt with none left: dead. Params: error, id, token (as
+/// [`RETRY_LATER`]).
+pub(crate) const BURY: &str = concat!(
+    "UPDATE idem_outbox SET last_error = ?1, dead_at = ",
+    now_us!(),
+    ", claim_token = NULL, claimed_until = NULL WHERE id = ?2 AND sent_at IS NULL ",
+    "AND (claim_token = ?3 OR claimed_until IS NULL OR claimed_until <= ",
+    now_us!(),
+    ")"
+);
+/// The backlog: pending messages, dead ones, the oldest pending one's age (µs).
+pub(crate) const OUTBOX_STATS: &str = concat!(
+    "SELECT coalesce(sum(dead_at IS NULL), 0), count(dead_at), max(CASE WHEN dead_at IS NULL THEN ",
+    now_us!(),
+    " - created_at END) FROM idem_outbox WHERE sent_at IS NULL"
+);
+/// Unsent messages for an operator. Params: state (0 unsent, 1 pending, 2 dead),
+/// destination or NULL, after id, limit.
+pub(crate) const LIST_OUTBOX: &str = concat!(
+    "SELECT id, destination, message_id, attempts, dead_at IS NOT NULL, last_error, ",
+    now_us!(),
+    " - created_at, CASE WHEN next_attempt_at > ",
+    now_us!(),
+    " THEN next_attempt_at - ",
+    now_us!(),
+    " END, coalesce(claimed_until > ",
+    now_us!(),
+    ", 0) FROM idem_outbox WHERE sent_at IS NULL ",
+    "AND (?1 = 0 OR (?1 = 1 AND dead_at IS NULL) OR (?1 = 2 AND dead_at IS NOT NULL)) ",
+    "AND (?2 IS NULL OR destination = ?2) AND id > ?3 ORDER BY id LIMIT ?4"
+);
+/// Back to pending, due now, attempts reset. Params: the ids as a JSON array.
+pub(crate) const RETRY_IDS: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+    attempts = 0 WHERE sent_at IS NULL AND id IN (SELECT value FROM json_each(?1))";
+/// Every dead message back to pending. Params: destination or NULL.
+pub(crate) const RETRY_DEAD: &str = "UPDATE idem_outbox SET dead_at = NULL, next_attempt_at = NULL, \
+    attempts = 0 WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (?1 IS NULL OR destination = ?1)";
+/// Deletes unsent messages. Params: the ids as a JSON array.
+pub(crate) const DROP_IDS: &str = "DELETE FROM idem_outbox \
+    WHERE sent_at IS NULL AND id IN (SELECT value FROM json_each(?1))";
+/// Deletes every dead message. Params: destination or NULL.
+pub(crate) const DROP_DEAD: &str = "DELETE FROM idem_outbox \
+    WHERE sent_at IS NULL AND dead_at IS NOT NULL AND (?1 IS NULL OR destination = ?1)";
 
 /// Runs that are expired **and** were started at least `?1` µs ago. Params: older than
 /// (µs), limit.
@@ -183,12 +273,23 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_run", INSERT_RUN),
     ("select_run", SELECT_RUN),
     ("write_run", WRITE_RUN),
+    ("renew_lease", RENEW_LEASE),
     ("delete_run", DELETE_RUN),
     ("stalled_runs", STALLED_RUNS),
     ("enqueue", ENQUEUE),
-    ("lock_unsent", LOCK_UNSENT),
-    ("unsent_ids", UNSENT_IDS),
+    ("lock_due", LOCK_DUE),
+    ("pending_ids", PENDING_IDS),
+    ("claim_due", CLAIM_DUE),
+    ("release", RELEASE),
     ("mark_sent", MARK_SENT),
+    ("retry_later", RETRY_LATER),
+    ("bury", BURY),
+    ("outbox_stats", OUTBOX_STATS),
+    ("list_outbox", LIST_OUTBOX),
+    ("retry_ids", RETRY_IDS),
+    ("retry_dead", RETRY_DEAD),
+    ("drop_ids", DROP_IDS),
+    ("drop_dead", DROP_DEAD),
     ("purge_runs", PURGE_RUNS),
     ("purge_outbox", PURGE_OUTBOX),
     ("create_migrations", CREATE_MIGRATIONS),
