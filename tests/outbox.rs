@@ -21,6 +21,13 @@
 //! stored, and for the library cases also the publisher's own log of publishes).
 //! `unreachable_broker`: `idem relay` to a closed port exits 7 with a clear message.
 //!
+//! `retries_dead_and_operators` (RabbitMQ): messages for a destination the broker cannot
+//! route (an exchange with no binding for it) are refused, tried again, and dead after
+//! their last attempt, while the routable destination goes on; `idem outbox list --dead`
+//! shows them, `idem outbox retry --dead --destination …` (once the queue is bound) and
+//! `idem relay --once` deliver them in order, and `idem outbox drop --id …` removes one
+//! for good.
+//!
 //! Brokers and engines are required: an unreachable one fails its cases. Build the
 //! binary first: `cargo build -p idem-cli --all-features`.
 #![allow(clippy::unwrap_used)]
@@ -614,6 +621,252 @@ async fn unreachable_broker(broker: Broker) -> Res<String> {
     result
 }
 
+// ---------------------------------------------------------------- retries and dead letters
+
+async fn run_cli(url: &str, args: &[String]) -> Res<(Option<i32>, String, String)> {
+    let out = Command::new(idem_binary()?)
+        .arg("--url")
+        .arg(url)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(GUARD, out)
+        .await
+        .map_err(|_| fail("idem hung (hang guard)"))?
+        .map_err(|e| fail(format!("cannot run idem: {e}")))?;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+fn strings(args: &[&str]) -> Vec<String> {
+    args.iter().map(|s| (*s).to_owned()).collect()
+}
+
+async fn retries_dead_and_operators<K: Private>(ctx: &Ctx<K>) -> Res<String> {
+    use idem::consumer::lapin::ExchangeKind;
+    use idem::consumer::lapin::options::{
+        ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+    };
+    use idem::consumer::lapin::types::FieldTable;
+
+    let (_, ch) = ctx
+        .place
+        .amqp
+        .as_ref()
+        .ok_or_else(|| fail("no AMQP channel"))?;
+    let [routed, unrouted] = ctx.place.destinations.clone();
+    let exchange = unique("ox");
+    ch.exchange_declare(
+        exchange.as_str().into(),
+        ExchangeKind::Direct,
+        ExchangeDeclareOptions::default(),
+        FieldTable::default(),
+    )
+    .await
+    .map_err(|e| fail(format!("declare exchange: {e}")))?;
+    let declare_and_bind = |queue: String| {
+        let (ch, exchange) = (ch.clone(), exchange.clone());
+        async move {
+            ch.queue_declare(
+                queue.as_str().into(),
+                QueueDeclareOptions {
+                    durable: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| fail(format!("declare {queue}: {e}")))?;
+            ch.queue_bind(
+                queue.as_str().into(),
+                exchange.as_str().into(),
+                queue.as_str().into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|e| fail(format!("bind {queue}: {e}")))?;
+            Res::Ok(())
+        }
+    };
+    let result = async {
+        declare_and_bind(routed.clone()).await?;
+        // Enqueue r1, u1, u2, r2 in this order (one effect each).
+        let ids = [(0, "r1"), (1, "u1"), (1, "u2"), (0, "r2")];
+        let prefix = unique("dl");
+        let effects: Vec<Effect> = ids
+            .iter()
+            .map(|(dest, id)| Effect {
+                messages: vec![Planned {
+                    dest: *dest,
+                    id: format!("{prefix}-{id}"),
+                    payload: json!({ "id": id }),
+                }],
+                fails: false,
+            })
+            .collect();
+        enqueue(&ctx.bank, &ctx.place, &effects).await?;
+        let id = |n: usize| effects[n].messages[0].id.clone();
+
+        // The library relay, 2 attempts each: the unroutable ones die, the routed go on.
+        let publisher = AmqpPublisher::connect(&amqp_url())
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .to_exchange(&exchange)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let idem = Idem::new(ctx.bank.backend().clone());
+        let options = idem::core::RelayOptions {
+            max_attempts: 2,
+            base_delay: Duration::from_millis(50),
+            max_delay: Duration::from_millis(100),
+            ..idem::core::RelayOptions::default()
+        };
+        let (mut failed, mut dead) = (0, 0);
+        let began = std::time::Instant::now();
+        while dead < 2 {
+            check(began.elapsed() < GUARD, || {
+                "the unroutable messages never died".into()
+            })?;
+            let report = idem
+                .relay_with(&publisher, &options)
+                .await
+                .map_err(|e| fail(format!("relay: {e}")))?;
+            failed += report.failed.len();
+            dead += report.dead;
+            tokio::time::sleep(Duration::from_millis(60)).await;
+        }
+        let _ = publisher.close().await;
+        check(failed == 4, || {
+            format!("{failed} failed attempts, expected 2 × 2")
+        })?;
+        let got = drain_queue(ch, &routed).await?;
+        let got_ids: Vec<Option<String>> = got.iter().map(|g| g.message_id.clone()).collect();
+        check(got_ids == vec![Some(id(0)), Some(id(3))], || {
+            format!("the routed destination got {got_ids:?}")
+        })?;
+
+        // The operator sees them, binds the queue, retries and relays.
+        let (code, stdout, stderr) =
+            run_cli(&ctx.url, &strings(&["outbox", "list", "--dead"])).await?;
+        check(code == Some(0), || {
+            format!("outbox list exited {code:?}: {stderr}")
+        })?;
+        check(
+            stdout.starts_with("pending 0, dead 2")
+                && stdout.contains(&id(1))
+                && stdout.contains(&id(2))
+                && stdout.contains("attempts 2\tdead"),
+            || format!("outbox list --dead printed {stdout:?}"),
+        )?;
+        declare_and_bind(unrouted.clone()).await?;
+        let (code, stdout, stderr) = run_cli(
+            &ctx.url,
+            &strings(&["outbox", "retry", "--dead", "--destination", &unrouted]),
+        )
+        .await?;
+        check(code == Some(0) && stdout.trim() == "retried 2", || {
+            format!("outbox retry exited {code:?} printing {stdout:?}: {stderr}")
+        })?;
+        let (code, stdout, stderr) = run_cli(
+            &ctx.url,
+            &strings(&[
+                "relay",
+                "--amqp",
+                &amqp_url(),
+                "--exchange",
+                &exchange,
+                "--once",
+            ]),
+        )
+        .await?;
+        check(code == Some(0) && stdout.trim() == "published 2", || {
+            format!("idem relay --once exited {code:?} printing {stdout:?}: {stderr}")
+        })?;
+        let got = drain_queue(ch, &unrouted).await?;
+        let got_ids: Vec<Option<String>> = got.iter().map(|g| g.message_id.clone()).collect();
+        check(got_ids == vec![Some(id(1)), Some(id(2))], || {
+            format!("after the retry, the other destination got {got_ids:?}, expected in order")
+        })?;
+
+        // Drop: a message for a third, unbound destination dies and is dropped by id.
+        let lost = format!("{prefix}-nowhere");
+        let message = Outgoing::new(&format!("{routed}.nowhere"), &lost, &json!({}))
+            .map_err(|e| fail(e.to_string()))?;
+        let backend = ctx.bank.backend().clone();
+        idem.execute(
+            &Scope::new(
+                Principal::new("outbox-test").map_err(|e| fail(e.to_string()))?,
+                Operation::new("enqueue", 1).map_err(|e| fail(e.to_string()))?,
+            ),
+            &Key::new(format!("drop-{prefix}")).map_err(|e| fail(e.to_string()))?,
+            &Request::new(json!({ "drop": true })),
+            move |tx| {
+                let (backend, message) = (backend.clone(), message.clone());
+                Box::pin(async move {
+                    backend.enqueue(tx, &message).await?;
+                    Ok::<_, EffectError>(json!({}))
+                })
+            },
+        )
+        .await
+        .map_err(|e| fail(format!("enqueue: {e}")))?;
+        let publisher = AmqpPublisher::connect(&amqp_url())
+            .await
+            .map_err(|e| fail(e.to_string()))?
+            .to_exchange(&exchange)
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        let once = idem::core::RelayOptions {
+            max_attempts: 1,
+            ..options
+        };
+        let report = idem
+            .relay_with(&publisher, &once)
+            .await
+            .map_err(|e| fail(format!("relay: {e}")))?;
+        let _ = publisher.close().await;
+        check(report.dead == 1, || {
+            format!("the third message: {report:?}")
+        })?;
+        let listed = idem
+            .outbox_list(&idem::core::runs::OutboxFilter::default())
+            .await
+            .map_err(|e| fail(e.to_string()))?;
+        check(listed.len() == 1 && listed[0].message_id == lost, || {
+            format!("unsent before the drop: {listed:?}")
+        })?;
+        let (code, stdout, stderr) = run_cli(
+            &ctx.url,
+            &strings(&["outbox", "drop", "--id", &listed[0].id.to_string()]),
+        )
+        .await?;
+        check(code == Some(0) && stdout.trim() == "dropped 1", || {
+            format!("outbox drop exited {code:?} printing {stdout:?}: {stderr}")
+        })?;
+        let (code, stdout, _) = run_cli(&ctx.url, &strings(&["outbox", "list"])).await?;
+        check(
+            code == Some(0) && stdout.trim() == "pending 0, dead 0",
+            || format!("after the drop, outbox list printed {stdout:?}"),
+        )?;
+        Ok(format!(
+            "2 unroutable messages: {failed} failed attempts, dead after 2 each, the routed \
+             destination went on in order; listed, retried and relayed in order by the CLI; \
+             a third dead message dropped"
+        ))
+    }
+    .await;
+    let _ = ch
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+    result
+}
+
 // ---------------------------------------------------------------- harness
 
 fn block_on(f: impl Future<Output = Res<String>>) -> Res<String> {
@@ -653,6 +906,9 @@ fn engine_cases<K: Private>(trials: &mut Vec<Trial>, broker: Broker) {
 fn main() -> ExitCode {
     let args = Arguments::from_args();
     let mut trials = Vec::new();
+    case!(trials, Broker::Amqp, SqliteBank, retries_dead_and_operators);
+    case!(trials, Broker::Amqp, PgBank, retries_dead_and_operators);
+    case!(trials, Broker::Amqp, MysqlBank, retries_dead_and_operators);
     for broker in [Broker::Amqp, Broker::Nats] {
         engine_cases::<SqliteBank>(&mut trials, broker);
         engine_cases::<PgBank>(&mut trials, broker);

@@ -63,6 +63,7 @@ mod demo;
 mod doc_commands;
 mod fail;
 mod maintain;
+mod outbox;
 #[cfg(any(feature = "amqp", feature = "nats"))]
 mod relay;
 
@@ -150,6 +151,9 @@ enum Command {
     #[cfg(any(feature = "amqp", feature = "nats"))]
     #[command(after_long_help = relay::RELAY_HELP)]
     Relay(relay::RelayArgs),
+    /// List the outbox's unsent messages (pending and dead), retry or drop them.
+    #[command(after_long_help = outbox::OUTBOX_HELP)]
+    Outbox(outbox::OutboxArgs),
     #[cfg(feature = "bench")]
     /// Measure the protocol's paths beside the bare effect on this database (SQLite,
     /// PostgreSQL, MySQL/MariaDB), in a private schema, database or file removed afterwards: throughput,
@@ -232,6 +236,10 @@ async fn run(cli: Cli) -> Result<(), Fail> {
         Command::Relay(args) => {
             let url = explicit_url(url, "relay")?;
             with_bank!(url, K => relay::relay::<K>(url, args).await)
+        }
+        Command::Outbox(args) => {
+            let url = explicit_url(url, "outbox")?;
+            with_bank!(url, K => outbox::run::<K>(url, args).await)
         }
         #[cfg(feature = "bench")]
         Command::Bench {

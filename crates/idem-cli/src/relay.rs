@@ -17,7 +17,9 @@ use crate::fail::{self, Fail};
 pub(crate) const RELAY_HELP: &str = "\
 WHAT IS PUBLISHED:
   Every message committed to the outbox (idem_outbox), the oldest first, in order per
-  destination, each marked sent in the relay's transaction once the broker confirmed it.
+  destination. Each pass claims a batch in a short transaction, publishes with no
+  transaction open (each publish bounded by --publish-timeout-ms), then marks what the
+  broker confirmed sent in a second short transaction.
   RabbitMQ: the default exchange (or --exchange), routing key = the destination, the
             message ID in the `message_id` property, persistent, publisher confirms; the
             first time a destination is seen, the queue of that name is declared durable
@@ -26,8 +28,12 @@ WHAT IS PUBLISHED:
             header, the stream's PubAck awaited; a subject no stream captures is added to
             --stream (created when missing).
   Delivery is at least once: a relay stopped between the broker's confirmation and its
-  commit publishes the message again, with the same message ID. Several relays may run at
-  once: each locks the rows it publishes and skips the others' (order is kept).
+  record leaves its claim to run out, and the message is published again, with the same
+  message ID. Several relays may run at once: each claims the rows it publishes and skips
+  the others' (order is kept).
+  A message the broker refuses (or does not confirm in time) is tried again after a
+  growing pause; after --max-attempts it is dead: skipped, and the rest of its
+  destination goes on. `idem outbox list|retry|drop` shows and handles dead messages.
   --once: passes until one publishes nothing, then prints `published N` and exits 0.
   Otherwise: runs until SIGINT or SIGTERM (the pass in hand finishes), retrying failures
   after a growing pause, and prints `published N` when it stops.
@@ -59,6 +65,14 @@ pub(crate) struct RelayArgs {
     /// Messages per pass (one transaction each; at most 1000).
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=1000))]
     batch: u32,
+    /// Attempts per message before it is dead (no longer published; see `idem outbox`).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    max_attempts: u32,
+    /// How long one publish may wait for the broker's confirmation before the attempt
+    /// counts as failed.
+    #[arg(long, value_name = "MS", default_value_t = 10_000,
+        value_parser = clap::value_parser!(u64).range(1..=600_000))]
+    publish_timeout_ms: u64,
     /// Stop after the first pass that published nothing.
     #[arg(long)]
     once: bool,
@@ -260,6 +274,14 @@ async fn run_passes<B: idem::OutboxStore>(
     let mut published = 0u64;
     let mut failures = 0u32;
     let interval = Duration::from_millis(args.interval_ms);
+    let publish_timeout = Duration::from_millis(args.publish_timeout_ms);
+    let options = idem::core::RelayOptions {
+        batch: args.batch,
+        max_attempts: args.max_attempts,
+        publish_timeout,
+        claim_lease: (publish_timeout * 3).max(Duration::from_secs(60)),
+        ..idem::core::RelayOptions::default()
+    };
     let result = loop {
         if shutdown.is_cancelled() {
             break Ok(());
@@ -280,7 +302,7 @@ async fn run_passes<B: idem::OutboxStore>(
             }
             continue;
         };
-        match idem.relay(p, args.batch).await {
+        match idem.relay_with(p, &options).await {
             Ok(report) if report.failed.is_empty() => {
                 failures = 0;
                 published += report.published;
@@ -292,8 +314,8 @@ async fn run_passes<B: idem::OutboxStore>(
                 }
             }
             Ok(report) => {
-                // The broker refused a message: its destination waits, in order; the
-                // other destinations went on in this pass.
+                // The broker refused a message: it is tried again after its pause (or is
+                // dead); its destination waits, in order; the others went on.
                 published += report.published;
                 for failure in &report.failed {
                     eprintln!("relay: {failure}");
