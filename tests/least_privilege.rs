@@ -1,7 +1,9 @@
 //! Least privilege: `crates/idem-<engine>/migrations/grants.sql` run live, in a private schema or
 //! database, with its roles renamed per run (roles are server-wide) and dropped after.
 //! The writer runs the protocol (execute, replay; a phased run with an outbox message and
-//! its relay) but cannot rewrite, delete or re-key a stored record; the purger purges but cannot rewrite; the guard holds the owner too.
+//! its relay; the relay's retries and dead messages, and an operator's retry) but cannot
+//! rewrite, delete or re-key a stored record; the purger purges and drops dead outbox
+//! messages but cannot rewrite; the guard holds the owner too.
 //! PostgreSQL and MariaDB are required: unreachable fails the test.
 
 #![allow(clippy::unwrap_used)]
@@ -15,6 +17,17 @@ use idem::core::{
 };
 use idem_conformance::{Balance, Bank};
 use serde_json::{Value, json};
+
+/// Refuses everything.
+struct Refuse;
+
+impl Publisher for Refuse {
+    type Error = std::io::Error;
+
+    async fn publish(&self, _: &OutboxRow) -> Result<(), std::io::Error> {
+        Err(std::io::Error::other("refused"))
+    }
+}
 
 /// Counts what it is asked to publish.
 #[derive(Default)]
@@ -80,6 +93,63 @@ async fn phased_run_and_outbox<B: OutboxStore + std::fmt::Debug>(writer: B) {
     let report = idem.relay(&counter, 10).await.unwrap();
     assert_eq!((report.published, report.failed.len()), (1, 0));
     assert_eq!(idem.relay(&counter, 10).await.unwrap().published, 0);
+}
+
+/// As the writer: a message the broker refuses is tried again, then dead (the relay's
+/// bookkeeping of attempts), listed and retried; as the purger: a dead one dropped.
+async fn retries_and_dead_messages<B: OutboxStore + std::fmt::Debug>(writer: B, purger: B) {
+    let idem = Idem::new(writer.clone());
+    let scope = Scope::new(
+        Principal::new("account-1").unwrap(),
+        Operation::new("notify", 1).unwrap(),
+    );
+    for n in 1..=2 {
+        let message = Outgoing::new("refused", &format!("m-{n}"), &json!({})).unwrap();
+        let backend = writer.clone();
+        idem.execute(
+            &scope,
+            &Key::new(format!("notify-{n}")).unwrap(),
+            &Request::new(json!({ "n": n })),
+            move |tx| {
+                let (backend, message) = (backend.clone(), message.clone());
+                Box::pin(async move {
+                    backend.enqueue(tx, &message).await?;
+                    Ok::<_, idem::DbError>(json!({}))
+                })
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let options = idem::core::RelayOptions {
+        max_attempts: 2,
+        base_delay: Duration::from_millis(10),
+        max_delay: Duration::from_millis(20),
+        ..idem::core::RelayOptions::default()
+    };
+    let first = idem.relay_with(&Refuse, &options).await.unwrap();
+    assert_eq!((first.failed.len(), first.dead), (1, 0), "{first:?}");
+    let mut dead = 0;
+    for _ in 0..200 {
+        dead += idem.relay_with(&Refuse, &options).await.unwrap().dead;
+        if dead == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(15)).await;
+    }
+    assert_eq!(dead, 2);
+    let listed = idem
+        .outbox_list(&idem::core::runs::OutboxFilter::default())
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 2);
+    assert!(listed.iter().all(|e| e.dead && e.attempts == 2), "{listed:?}");
+    assert_eq!(idem.outbox_retry(&[listed[0].id], None).await.unwrap(), 1);
+    let counter = Counter::default();
+    assert_eq!(idem.relay(&counter, 10).await.unwrap().published, 1);
+    let dropped = Idem::new(purger).outbox_drop(&[], None).await.unwrap();
+    assert_eq!(dropped, 1, "the purger drops the dead one");
+    assert_eq!(idem.outbox_stats().await.unwrap().dead, 0);
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -171,6 +241,7 @@ mod postgres {
             .unwrap();
         assert_eq!(again, Outcome::Replayed(Balance { balance: 900 }));
         phased_run_and_outbox(writer_db.clone()).await;
+        retries_and_dead_messages(writer_db.clone(), connect_as(url, purger, ns).await).await;
 
         // The writer cannot rewrite the stored response or request, re-key or delete it.
         let w = writer_db.pool();
@@ -393,6 +464,7 @@ mod mysql {
             .unwrap();
         assert_eq!(again, Outcome::Replayed(Balance { balance: 900 }));
         phased_run_and_outbox(writer_db.clone()).await;
+        retries_and_dead_messages(writer_db.clone(), connect_as(url, purger, db).await).await;
 
         // The writer cannot rewrite the stored response or request (the guard: 1644,
         // SIGNAL 45000), re-key it (no column grant: 1143) or delete it (1142).
@@ -569,9 +641,9 @@ mod mysql {
 /// guard trigger is there.
 #[test]
 fn grants_scripts_grant_only_existing_non_key_columns() {
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../migrations");
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../crates");
     for engine in ["postgres", "mysql", "mssql", "oracle"] {
-        let dir = root.join(engine);
+        let dir = root.join(format!("idem-{engine}")).join("migrations");
         let grants = std::fs::read_to_string(dir.join("grants.sql")).unwrap();
         let mut schema = String::new();
         for entry in std::fs::read_dir(&dir).unwrap() {
