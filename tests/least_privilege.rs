@@ -143,7 +143,10 @@ async fn retries_and_dead_messages<B: OutboxStore + std::fmt::Debug>(writer: B, 
         .await
         .unwrap();
     assert_eq!(listed.len(), 2);
-    assert!(listed.iter().all(|e| e.dead && e.attempts == 2), "{listed:?}");
+    assert!(
+        listed.iter().all(|e| e.dead && e.attempts == 2),
+        "{listed:?}"
+    );
     assert_eq!(idem.outbox_retry(&[listed[0].id], None).await.unwrap(), 1);
     let counter = Counter::default();
     assert_eq!(idem.relay(&counter, 10).await.unwrap().published, 1);

@@ -29,8 +29,26 @@
 //! | [`RETRIES_EXHAUSTED`] | counter | `call`, `engine` |
 //! | [`EFFECT_FAILED`] | counter | `call`, `engine` |
 //! | [`CALL_DURATION`] | histogram (seconds) | `call`, `engine`, `outcome` |
+//! | [`RUNS_STARTED`] | counter | `engine` |
+//! | [`RUN_TAKEOVERS`] | counter | `engine` |
+//! | [`RUN_PHASES`] | counter | `engine` |
+//! | [`RUN_LEASE_LOST`] | counter | `engine` |
+//! | [`RUNS_FINISHED`] | counter | `engine`, `status` |
+//! | [`RUN_UNKNOWN_COMMITS`] | counter | `engine` |
+//! | [`RELAY_PUBLISHED`] | counter | `engine` |
+//! | [`RELAY_FAILED`] | counter | `engine` |
+//! | [`RELAY_DEAD`] | counter | `engine` |
+//! | [`OUTBOX_PENDING`] | gauge | `engine` |
+//! | [`OUTBOX_DEAD`] | gauge | `engine` |
+//! | [`OUTBOX_OLDEST_PENDING_AGE`] | gauge (seconds) | `engine` |
 //!
-//! Principals, operations and keys are never labels: their number is unbounded.
+//! Principals, operations, keys, message IDs and outbox destinations are never labels:
+//! their number is unbounded.
+//!
+//! Phased runs (`start`, `phase`, `finish`, `fail`, `complete`) run in `INFO` spans named
+//! [`RUN_SPAN_NAME`] (fields `call`, `engine`, `principal`, `operation`, `key_hash`,
+//! `point`, `fence`, `outcome`); a relay pass runs in [`RELAY_SPAN_NAME`] (fields
+//! `engine`, `published`, `failed`, `dead`).
 
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -543,6 +561,34 @@ pub fn describe_metrics() {
         "Calls whose effect failed; nothing was stored"
     );
     describe_histogram!(CALL_DURATION, Unit::Seconds, "Duration of an idem call");
+    metrics::describe_counter!(RUNS_STARTED, "Phased runs started (a new key)");
+    metrics::describe_counter!(
+        RUN_TAKEOVERS,
+        "Phased runs taken over after their owner's lease ended"
+    );
+    metrics::describe_counter!(RUN_PHASES, "Phases of phased runs committed");
+    metrics::describe_counter!(
+        RUN_LEASE_LOST,
+        "Writes of a phased run refused because another call took it over"
+    );
+    metrics::describe_counter!(RUNS_FINISHED, "Phased runs that stored their final answer");
+    metrics::describe_counter!(
+        RUN_UNKNOWN_COMMITS,
+        "Commits of a phase or answer whose outcome is unknown (connection lost)"
+    );
+    metrics::describe_counter!(RELAY_PUBLISHED, "Outbox messages published and marked sent");
+    metrics::describe_counter!(
+        RELAY_FAILED,
+        "Failed publishing attempts (refused or not confirmed in time)"
+    );
+    metrics::describe_counter!(RELAY_DEAD, "Outbox messages that became dead");
+    metrics::describe_gauge!(OUTBOX_PENDING, "Outbox messages still to be published");
+    metrics::describe_gauge!(OUTBOX_DEAD, "Dead outbox messages");
+    metrics::describe_gauge!(
+        OUTBOX_OLDEST_PENDING_AGE,
+        Unit::Seconds,
+        "Age of the oldest pending outbox message"
+    );
 }
 
 #[cfg(test)]
