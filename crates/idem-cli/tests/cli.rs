@@ -364,7 +364,8 @@ fn help_lists_the_exit_codes_in_plain_words() {
     assert_eq!(
         commands,
         [
-            "migrate", "check", "purge", "relay", "bench", "maintain", "docs", "demo", "help"
+            "migrate", "check", "purge", "relay", "outbox", "bench", "maintain", "docs", "demo",
+            "help"
         ],
         "{help}"
     );
@@ -376,6 +377,10 @@ fn help_lists_the_exit_codes_in_plain_words() {
         &["check"],
         &["purge"],
         &["relay"],
+        &["outbox"],
+        &["outbox", "list"],
+        &["outbox", "retry"],
+        &["outbox", "drop"],
         &["bench"],
         &["maintain"],
         &["docs"],
