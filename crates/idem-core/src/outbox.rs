@@ -477,9 +477,12 @@ impl<B: OutboxStore> crate::Idem<B> {
                 failures.push((due, source, retry_in));
             }
         }
-        let recorded = self
-            .with_retries(|| self.record_pass(&token, &sent, &untried, &failures))
-            .await?;
+        let recorded = if sent.is_empty() && untried.is_empty() && failures.is_empty() {
+            0
+        } else {
+            self.with_retries(|| self.record_pass(&token, &sent, &untried, &failures))
+                .await?
+        };
         report.published = recorded;
         report.deferred += untried.len() as u64;
         for (due, source, retry_in) in failures {
