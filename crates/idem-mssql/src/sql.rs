@@ -193,7 +193,7 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     cutoff!(1, 2, 3)
 );
 
-// Phased runs and the outbox (migration 0003). Run statements run inside the
+// Phased runs and the outbox (migrations 0003 and 0004). Run statements run inside the
 // transaction `begin_runs` opened (READ COMMITTED, `XACT_ABORT OFF`, like a claim's);
 // `STALLED_RUNS` runs on its own.
 

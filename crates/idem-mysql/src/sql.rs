@@ -149,7 +149,7 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " ORDER BY expires_at LIMIT ?"
 );
 
-// Phased runs and the outbox (migration 0003). Run statements run inside the
+// Phased runs and the outbox (migrations 0003 and 0004). Run statements run inside the
 // transaction `begin_runs` opened (READ COMMITTED); `STALLED_RUNS` runs on its own.
 
 /// A new run, or an exclusive lock on the existing one. `ON DUPLICATE KEY UPDATE` with

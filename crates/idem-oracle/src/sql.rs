@@ -162,7 +162,7 @@ pub(crate) const PURGE_MESSAGES: &str = concat!(
     " AND ROWNUM <= :2"
 );
 
-// Phased runs and the outbox (migration 0003). Run statements run inside the
+// Phased runs and the outbox (migrations 0003 and 0004). Run statements run inside the
 // transaction `begin_runs` opened (Oracle's READ COMMITTED: each statement reads the
 // data committed before it began); `STALLED_RUNS` runs on its own.
 
