@@ -512,11 +512,11 @@ fn sqlite_relay_task_publishes_the_outbox_to_rabbitmq() {
     assert_eq!(got, want, "published in order, with their IDs");
     let unsent = rt.block_on(async {
         let mut tx = backend.begin_runs(None).await.unwrap();
-        let rows = backend.lock_unsent(&mut tx, 100).await.unwrap();
+        let rows = backend.lock_due(&mut tx, 100).await.unwrap();
         backend.rollback_runs(tx).await.unwrap();
         rows
     });
-    let left: Vec<&str> = unsent.iter().map(|r| r.message_id.as_str()).collect();
+    let left: Vec<&str> = unsent.iter().map(|r| r.row.message_id.as_str()).collect();
     assert_eq!(left, ["m-5"], "the fifth waits for the next tick");
     drop(backend);
     std::fs::remove_dir_all(&dir).unwrap();
