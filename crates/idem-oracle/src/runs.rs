@@ -15,7 +15,7 @@
 //!   row lock (the `INSERT` of a run another transaction is inserting, or its
 //!   `FOR UPDATE`). If ODPI-C could not clean the connection up, the rollback fails and
 //!   the pool closes it.
-//! - **`SKIP LOCKED` locks a row when it is fetched**, so the relay's read fetches and
+//! - **`SKIP LOCKED` locks a row when it is fetched**, so the relay's claim read fetches and
 //!   prefetches at most its limit (at most [`LOCK_UNSENT_MAX`] rows per call), never
 //!   more: rows it would not use stay free for other relays.
 
@@ -34,7 +34,7 @@ use crate::{
     interval_micros, is_call_timeout, is_unique_violation, rollback_after, sql,
 };
 
-/// The most messages one `lock_unsent` call locks (its fetch array and prefetch size).
+/// The most messages one `lock_due` call locks (its fetch array and prefetch size).
 pub(crate) const LOCK_UNSENT_MAX: u32 = 1000;
 
 /// A run's identity, owned, to move onto the blocking pool.
