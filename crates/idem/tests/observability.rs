@@ -573,8 +573,12 @@ mod maintenance {
             "{text}"
         );
         assert!(runs.iter().any(|l| l.contains("result=\"left\"")));
+        // The setup's own start of the ghost run has its `idem.run` span; the
+        // maintenance tick adds nothing about it.
         assert!(
-            !text.contains("ghost:v1"),
+            !text
+                .lines()
+                .any(|l| l.contains("ghost:v1") && !l.contains("idem.run{call=\"start\"")),
             "an unhandled run gets no span:\n{text}"
         );
         assert!(text.contains("this instance is now the maintenance runner"));
