@@ -3,7 +3,9 @@
 //! - [`cases`]: the promises, as plain `async fn case<K: Bank>(bank)` functions;
 //! - [`bank`]: the seed's account domain each engine implements ([`Bank`]);
 //! - [`harness`]: one named trial per case per engine (`postgres::keys_are_byte_exact`),
-//!   and the report behind `idem check` and `docs/engines.md`.
+//!   and the report behind `idem check` and `docs/engines.md`;
+//! - [`proxy`]: a loopback TCP proxy that counts round trips (`idem bench`) and injects
+//!   network faults at chosen statements (the `net_faults` test target).
 
 pub mod bank;
 pub mod cases;
@@ -11,6 +13,7 @@ pub mod docs;
 pub mod external;
 pub mod harness;
 pub mod maintain;
+pub mod proxy;
 
 #[cfg(feature = "mssql")]
 pub mod mssql;
