@@ -126,6 +126,17 @@ done
 step "least privilege: every engine's grants.sql names existing, non-key columns (offline)"
 cargo test --locked -p idem-tests --all-features --test least_privilege -- grants_scripts
 
+# The network-fault suite (tests/net_faults): a proxy between idem and the server loses
+# the replies of chosen statements (a COMMIT that ran), cuts connections mid-statement and
+# delays replies, on every path that commits; each key retried until it gets a definite
+# answer, then checked from the database. Bigger runs: IDEM_NETFAULT_SCALE=N.
+export IDEM_NETFAULT_SCALE=${IDEM_NETFAULT_SCALE:-10}
+for engine in postgres mysql; do
+  wants "$engine" || continue
+  step "network faults: lost replies, cuts and delays on $engine (scale $IDEM_NETFAULT_SCALE)"
+  cargo test --locked -p idem-tests --all-features --test net_faults -- "$engine::"
+done
+
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   step "HTTP: idem demo serve through reqwest on $engine (docs/http.md)"
@@ -198,9 +209,10 @@ if clusters; then
   # Private clusters on their own ports and temporary directories, stopped by the
   # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly); each with its engine.
   if wants mysql; then
-    step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed"
+    step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed, network faults"
     ci/galera.sh run bash -c 'cargo test --locked -p idem-tests --all-features --test galera &&
-      cargo test --locked -p idem-tests --all-features --test galera_cluster'
+      cargo test --locked -p idem-tests --all-features --test galera_cluster &&
+      cargo test --locked -p idem-tests --all-features --test net_faults -- galera::'
   else
     step "MariaDB Galera SKIPPED (mysql is not in IDEM_ENGINES)"
   fi

@@ -3,7 +3,9 @@
 //! - [`cases`]: the promises, as plain `async fn case<K: Bank>(bank)` functions;
 //! - [`bank`]: the seed's account domain each engine implements ([`Bank`]);
 //! - [`harness`]: one named trial per case per engine (`postgres::keys_are_byte_exact`),
-//!   and the report behind `idem check` and `docs/engines.md`.
+//!   and the report behind `idem check` and `docs/engines.md`;
+//! - [`proxy`]: a loopback TCP proxy that counts round trips (`idem bench`) and injects
+//!   network faults at chosen statements (the `net_faults` test target).
 
 pub mod bank;
 pub mod cases;
@@ -13,6 +15,7 @@ pub mod harness;
 pub mod lost_reply;
 pub mod maintain;
 pub mod outbox_cases;
+pub mod proxy;
 pub mod run_store;
 
 #[cfg(feature = "mssql")]

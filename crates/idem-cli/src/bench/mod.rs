@@ -9,7 +9,6 @@
 mod chart;
 mod engines;
 mod growth;
-mod proxy;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -20,6 +19,7 @@ use idem::{
     Consumed, Idem, Key, MessageId, Operation, Outcome, Principal, Request, Scope, Subscriber,
 };
 use idem_conformance::harness::namespace;
+use idem_conformance::proxy;
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -638,7 +638,8 @@ async fn count_round_trips<K: BenchEngine>(
             "cannot find the server's host and port in the URL",
         ));
     };
-    let proxy = proxy::Proxy::start(target)
+    // Counting needs no protocol knowledge: bytes are forwarded as they come.
+    let proxy = proxy::Proxy::start(target, proxy::Wire::Opaque)
         .await
         .map_err(|e| Fail::new(1, format!("cannot start the counting proxy: {e}")))?;
     let Some((mut proxied, _)) = proxy::through(url, proxy.addr(), default_port) else {
