@@ -50,7 +50,10 @@ pub mod nats;
 
 pub use decision::{DeadLetterReason, Decision, classify};
 pub use error::ConsumerError;
-pub use handler::{Backoff, Consumer, Event, Failures, Handler, OnEffectError, Options, Stats};
+pub use handler::{
+    Backoff, Consumer, DEFAULT_BROKER_TIMEOUT, DEFAULT_RECONNECT_FOR, Event, Failures, Handler,
+    OnEffectError, Options, Stats,
+};
 pub use publish::PublishError;
 pub use tokio_util::sync::CancellationToken;
 
@@ -68,3 +71,6 @@ pub const REASON_HEADER: &str = "x-idem-dead-letter-reason";
 pub const DETAIL_HEADER: &str = "x-idem-dead-letter-detail";
 /// The header that names the subscriber that dead-lettered a message.
 pub const SUBSCRIBER_HEADER: &str = "x-idem-subscriber";
+/// The header that carries the original message ID of a dead letter (JetStream dead
+/// letters have a message ID of their own, derived from the original delivery).
+pub const ORIGINAL_ID_HEADER: &str = "x-idem-original-message-id";
