@@ -242,6 +242,22 @@ impl Stats {
     }
 }
 
+impl std::ops::Add for Stats {
+    type Output = Stats;
+
+    /// The counts of two runs together.
+    fn add(self, other: Stats) -> Stats {
+        Stats {
+            delivered: self.delivered + other.delivered,
+            applied: self.applied + other.applied,
+            duplicates: self.duplicates + other.duplicates,
+            dead_lettered: self.dead_lettered + other.dead_lettered,
+            returned: self.returned + other.returned,
+            reconnects: self.reconnects + other.reconnects,
+        }
+    }
+}
+
 impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

@@ -379,9 +379,7 @@ where
         let connected = client.connection_state() == State::Connected;
         let error = match pulled {
             Ok(got) if got || connected => {
-                if lost.take().is_some() {
-                    stats.reconnects += 1;
-                }
+                lost = None;
                 if got {
                     quiet = Duration::ZERO;
                 } else {
@@ -405,7 +403,17 @@ where
             () = tokio::time::sleep(pause) => {}
         }
     }
+    stats.reconnects = reconnects(&client);
     Ok(stats)
+}
+
+/// Connections the client made again after the first.
+fn reconnects(client: &async_nats::Client) -> u64 {
+    client
+        .statistics()
+        .connects
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(1)
 }
 
 /// One pull: the batch's messages, each decided and acknowledged or returned. `Ok(true)`
