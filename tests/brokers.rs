@@ -1158,7 +1158,10 @@ async fn reason_labels<K: Engine>(bank: &K) -> Res {
     for _ in 0..200 {
         deep = json!([deep]);
     }
-    let cases: Vec<(&str, Option<String>, Vec<u8>, Option<DeadLetterReason>)> = vec![
+    /// What is sent, its message ID and body, and the reason it must be dead-lettered with
+    /// (`None`: applied).
+    type Case = (&'static str, Option<String>, Vec<u8>, Option<DeadLetterReason>);
+    let cases: Vec<Case> = vec![
         (
             "a payload over the size limit",
             Some(unique("big")),

@@ -1170,7 +1170,7 @@ impl<K: Engine> Flow<K> {
     /// Lets the consumer finish, stops it, drains what is left with a second consumer,
     /// checks every invariant and returns the report.
     async fn finish(mut self, case: &str) -> Res<String> {
-        let result = self.finish_inner().await;
+        let result = self.finish_inner(case).await;
         let text = result.map(|t| format!("[{} {} {case}] {t}", self.topic.broker.name(), K::NAME));
         self.remove().await;
         let text = text?;
@@ -1178,7 +1178,7 @@ impl<K: Engine> Flow<K> {
         Ok(text)
     }
 
-    async fn finish_inner(&mut self) -> Res<String> {
+    async fn finish_inner(&mut self, case: &str) -> Res<String> {
         // Phase 1: until every good message is applied and every poison message is in
         // the dead-letter destination, or the guard runs out (then the checks say why).
         let sum = self.plan.sum();
@@ -1252,6 +1252,27 @@ impl<K: Engine> Flow<K> {
             )?;
         }
         let s = first + second;
+        println!(
+            "figures: {}",
+            json!({
+                "case": case,
+                "broker": self.topic.broker.name(),
+                "engine": K::NAME,
+                "good": self.plan.good.len(),
+                "poison": poison,
+                "delivered": s.delivered,
+                "applied": s.applied,
+                "duplicates": s.duplicates,
+                "dead_lettered": s.dead_lettered,
+                "returned": s.returned,
+                "reconnects": s.reconnects,
+                "dead_letters_stored": dead.len(),
+                "relay": relay.as_ref().map(|r| &r.1),
+                "lost": 0,
+                "doubled": 0,
+            })
+        );
+        let relay = relay.map(|r| r.0);
         Ok(format!(
             "{} good + {} poison messages: delivered {}, applied {}, duplicates {}, dead-lettered {}, returned {}, reconnections {}; \
              balance +{moved} = good sum, {records} records; {} dead letters stored{} ({copies} for {} poison IDs); 0 left{}",
@@ -1309,7 +1330,7 @@ async fn finish_relay<K: Engine>(
     outbox: &Outbox,
     child: Child,
     producer: tokio::task::JoinHandle<Res>,
-) -> Res<String> {
+) -> Res<(String, Value)> {
     tokio::time::timeout(GUARD, producer)
         .await
         .map_err(|_| fail("the producer hung (hang guard)"))?
@@ -1339,10 +1360,18 @@ async fn finish_relay<K: Engine>(
     let copies = outbox.copies().await?;
     let total: usize = copies.values().sum();
     let retries = stderr.lines().filter(|l| l.contains("retrying")).count();
-    Ok(format!(
-        "{} outbox messages all marked sent ({}), {total} copies at the broker (each at least once), {retries} failed passes retried",
-        outbox.ids().len(),
-        stdout.trim()
+    let figures = json!({
+        "messages": outbox.ids().len(),
+        "copies": total,
+        "failed_passes": retries,
+    });
+    Ok((
+        format!(
+            "{} outbox messages all marked sent ({}), {total} copies at the broker (each at least once), {retries} failed passes retried",
+            outbox.ids().len(),
+            stdout.trim()
+        ),
+        figures,
     ))
 }
 
@@ -1695,6 +1724,19 @@ async fn relay_never_confirms<K: Engine>(
     }
     let copies = outbox.copies().await?;
     let total: usize = copies.values().sum();
+    println!(
+        "figures: {}",
+        json!({
+            "case": "relay while the broker is paused",
+            "broker": outbox.broker.name(),
+            "engine": K::NAME,
+            "messages": N + 1,
+            "unconfirmed": N,
+            "marked_sent_unconfirmed": N as u64 - unsent,
+            "copies": total,
+            "lost": 0,
+        })
+    );
     Ok(format!(
         "{} messages; the pass while paused failed ({failure}) and marked none of {N} sent; resumed: all marked sent after {passes} more passes, {total} copies at the broker (each at least once)",
         N + 1

@@ -394,11 +394,13 @@ impl<B: Backend, H: Handler<B>> Consumer<B, H> {
 /// Reconnection after a lost broker: pauses growing from 100 ms to 5 s, for at most
 /// [`Options::reconnect_for`] since the loss.
 #[derive(Debug)]
+#[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
 pub(crate) struct Lost {
     since: tokio::time::Instant,
     attempts: u32,
 }
 
+#[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
 impl Lost {
     pub(crate) fn new() -> Self {
         Self {

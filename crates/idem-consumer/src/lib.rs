@@ -12,13 +12,19 @@
 //!    commits in the same transaction as the effect;
 //! 3. the outcome becomes a [`Decision`]:
 //!    - applied or duplicate → **acknowledge** (only after the commit);
-//!    - no message ID, an unusable ID, an undecodable body, the same ID with a different
-//!      payload, or an effect the handler calls final → **dead-letter**: the message is
-//!      published to the configured dead-letter queue or subject with the reason in the
-//!      `x-idem-dead-letter-reason` header, and only then acknowledged;
-//!    - a database that failed or is unreachable → **redeliver**: negative acknowledgement
-//!      after a growing, jittered pause ([`Backoff`]), so the message is never lost and a
-//!      database outage is never a hot loop.
+//!    - no message ID, an unusable ID, an undecodable body, a payload too large to store,
+//!      the same ID with a different payload, or a final effect error
+//!      ([`Handler::on_effect_error`]: by default the effect's own refusals) →
+//!      **dead-letter**: the message is published to the configured dead-letter queue or
+//!      subject with the reason in the `x-idem-dead-letter-reason` header, and acknowledged
+//!      only once the broker stored that copy (otherwise it is redelivered);
+//!    - a database that failed or is unreachable, inside the effect too (a lost
+//!      connection, a deadlock) → **redeliver**: negative acknowledgement after a growing,
+//!      jittered pause ([`Backoff`]), so the message is never lost and a database outage
+//!      is never a hot loop.
+//!
+//! A lost broker connection is made again for [`Options::reconnect_for`]; every broker
+//! request is bounded by [`Options::broker_timeout`].
 //!
 //! Shutdown (a [`CancellationToken`]) lets the message in hand finish: it is committed
 //! and acknowledged, or returned; messages prefetched but not started are returned to the
@@ -26,7 +32,7 @@
 //!
 //! Implement [`Handler`] (decode the body, run the effect in the transaction), wrap it in
 //! a [`Consumer`] with an [`Idem`] and a subscriber, and pass it to `amqp::run` or
-//! `nats::run`. The `idem consume` command (crates/idem-cli/src/consume.rs) is a complete
+//! `nats::run`. The `idem demo consume` command (crates/idem-cli/src/consume.rs) is a complete
 //! example: the demo's credit on any engine. docs/consumers.md describes each broker's
 //! message ID, redelivery window and dead-lettering.
 //!
