@@ -1160,7 +1160,12 @@ async fn reason_labels<K: Engine>(bank: &K) -> Res {
     }
     /// What is sent, its message ID and body, and the reason it must be dead-lettered with
     /// (`None`: applied).
-    type Case = (&'static str, Option<String>, Vec<u8>, Option<DeadLetterReason>);
+    type Case = (
+        &'static str,
+        Option<String>,
+        Vec<u8>,
+        Option<DeadLetterReason>,
+    );
     let cases: Vec<Case> = vec![
         (
             "a payload over the size limit",

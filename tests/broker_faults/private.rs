@@ -6,9 +6,11 @@
 //! Ports: RabbitMQ AMQP 5682–5689 (Erlang distribution on the port + 20000, node
 //! `idem-c-<port>@localhost`; the machine's epmd on 4369 is shared), NATS 4232–4239.
 //! Programs: `IDEM_RABBITMQ_SERVER` (default `/usr/lib/rabbitmq/bin/rabbitmq-server`, the
-//! Debian package's, run as the current user) and `IDEM_NATS_SERVER` (default
-//! `nats-server` on the `PATH`, else `/usr/sbin/nats-server`); `ci/services.sh` installs
-//! both.
+//! Debian package's) and `IDEM_NATS_SERVER` (default `nats-server` on the `PATH`, else
+//! `/usr/sbin/nats-server`); `ci/services.sh` installs both. Run as root, each server runs
+//! as its package's user (`rabbitmq`, `nats`; through `setpriv`, which keeps the process
+//! ID, so the test's signals reach the server itself), as `ci/services.sh` runs the shared
+//! ones; otherwise as the current user.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -67,6 +69,22 @@ pub(crate) struct PrivateBroker {
     dir: PathBuf,
     child: Option<Child>,
     paused: bool,
+    /// The user the server runs as, when the test runs as root.
+    run_as: Option<&'static str>,
+}
+
+/// As root: `user`, if it exists (the package's own user); otherwise `None` (the current
+/// user).
+fn server_user(user: &'static str) -> Option<&'static str> {
+    let out = |args: &[&str]| {
+        std::process::Command::new("id")
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    (out(&["-u"]).as_deref() == Some("0") && out(&["-u", user]).is_some()).then_some(user)
 }
 
 fn program(var: &str, candidates: &[&str]) -> Res<PathBuf> {
@@ -117,6 +135,10 @@ impl PrivateBroker {
             dir,
             child: None,
             paused: false,
+            run_as: server_user(match kind {
+                Kind::Rabbit => "rabbitmq",
+                Kind::Nats => "nats",
+            }),
         };
         if kind == Kind::Rabbit {
             let files = [
@@ -131,6 +153,17 @@ impl PrivateBroker {
                 std::fs::write(broker.dir.join(name), text)
                     .map_err(|e| fail(format!("cannot write {name}: {e}")))?;
             }
+        }
+        if let Some(user) = broker.run_as {
+            let owned = std::process::Command::new("chown")
+                .arg("-R")
+                .arg(format!("{user}:"))
+                .arg(&broker.dir)
+                .status()
+                .map_err(|e| fail(format!("chown: {e}")))?;
+            check(owned.success(), || {
+                format!("chown of {} to {user} failed", broker.dir.display())
+            })?;
         }
         broker.start().await?;
         Ok(broker)
@@ -160,9 +193,18 @@ impl PrivateBroker {
             .open(dir.join("server.log"))
             .map_err(|e| fail(e.to_string()))?;
         let err = out.try_clone().map_err(|e| fail(e.to_string()))?;
+        let launch = |server: PathBuf| match self.run_as {
+            Some(user) => {
+                let mut c = Command::new("setpriv");
+                c.args(["--reuid", user, "--regid", user, "--init-groups", "--"])
+                    .arg(server);
+                c
+            }
+            None => Command::new(server),
+        };
         let mut cmd = match self.kind {
             Kind::Rabbit => {
-                let mut c = Command::new(program(
+                let mut c = launch(program(
                     "IDEM_RABBITMQ_SERVER",
                     &["/usr/lib/rabbitmq/bin/rabbitmq-server"],
                 )?);
@@ -187,7 +229,7 @@ impl PrivateBroker {
                 c
             }
             Kind::Nats => {
-                let mut c = Command::new(program(
+                let mut c = launch(program(
                     "IDEM_NATS_SERVER",
                     &["nats-server", "/usr/sbin/nats-server"],
                 )?);
