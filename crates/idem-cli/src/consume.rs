@@ -37,8 +37,9 @@ MESSAGE FORMAT (any AMQP 0-9-1 or NATS client can produce it):
   seconds.
   SIGTERM or Ctrl-C: the message in hand is finished, then the command exits 0.
   stdout: one JSON line of counts when the command ends. A broker that cannot be reached
-  exits 7 (as a database does); a broker failure while consuming exits 1, and the messages
-  in hand are redelivered.";
+  at start exits 7 (as a database does); a broker failure while consuming (a refusal, or no
+  connection again within --reconnect-for seconds) exits 1, and the messages in hand are
+  redelivered.";
 
 /// Where `idem consume` reads from.
 #[derive(Debug, Args)]

@@ -234,7 +234,7 @@ async fn reconnect(
     let mut last = error;
     loop {
         let Some(pause) = lost.next_pause(options) else {
-            return Err(last);
+            return Err(Lost::gave_up("amqp", options, last));
         };
         tokio::select! {
             () = shutdown.cancelled() => return Ok(None),

@@ -409,6 +409,21 @@ impl Lost {
         }
     }
 
+    /// The error a loop stops with when the reconnection period ended: the broker
+    /// stayed out of reach (the last failure as its source).
+    #[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
+    pub(crate) fn gave_up(
+        broker: &'static str,
+        options: &Options,
+        last: crate::ConsumerError,
+    ) -> crate::ConsumerError {
+        crate::ConsumerError::broker(
+            broker,
+            format!("get the broker back within {:?}", options.reconnect_for),
+            last,
+        )
+    }
+
     /// The pause before the next attempt to reach the broker again, or `None` when the
     /// reconnection period is over.
     pub(crate) fn next_pause(&mut self, options: &Options) -> Option<Duration> {

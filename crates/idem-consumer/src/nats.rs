@@ -396,7 +396,7 @@ where
         };
         // The client reconnects on its own; wait for it, for a while.
         let Some(pause) = lost.get_or_insert_with(Lost::new).next_pause(&options) else {
-            return Err(error);
+            return Err(Lost::gave_up("nats", &options, error));
         };
         tokio::select! {
             () = shutdown.cancelled() => {}
