@@ -23,7 +23,9 @@
 //!   for a dead letter's confirmation, and while the relay waits for a publish's; both
 //!   time out and nothing counts as done; then it is resumed;
 //! - `<broker>::silent_listener`: a TCP listener that accepts and never speaks; the
-//!   consumer loops and the publishers give up within their timeout.
+//!   consumer loops and the publishers give up within their timeout;
+//! - `<broker>::gone_for_good`: the broker stops under a consumer and never returns; the
+//!   loop stops with a broker failure once its reconnection period is over.
 //!
 //! Invariants, read from the database and the broker after every consumer stopped: the
 //! balance moved by exactly the good messages' sum and there is one record per good
@@ -1842,6 +1844,49 @@ async fn silent_listener(broker: Broker) -> Res {
     result
 }
 
+/// The broker stops for good under a running consumer: the loop stops with a broker
+/// failure once its reconnection period is over, instead of waiting forever.
+async fn gone_for_good(broker: Broker) -> Res {
+    let mut server = private_broker(broker).await?;
+    let (bank, _) = SqliteBank::private("gone").await?;
+    let result = async {
+        bank.setup().await.map_err(db)?;
+        let topic = Topic::create(broker, &server.url(), Layout::Separate, "gone").await?;
+        let period = Duration::from_secs(3);
+        let task = topic.spawn::<SqliteBank>(
+            bank.backend().clone(),
+            Credit::new(Arc::default(), Duration::ZERO, None),
+            options().reconnect_for(period),
+            CancellationToken::new(),
+        );
+        // Running: let it take a pull or its queue, then the broker goes.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        server.stop().await?;
+        let ended = tokio::time::timeout(GUARD, task)
+            .await
+            .map_err(|_| fail("the consumer waited for the broker forever (hang guard)"))?
+            .map_err(db)?;
+        match ended {
+            Err(e @ ConsumerError::Broker { .. })
+                if e.to_string().contains("get the broker back") =>
+            {
+                println!(
+                    "[{} broker gone for good] the consumer stopped: {e}",
+                    broker.name()
+                );
+                Ok(())
+            }
+            other => Err(fail(format!(
+                "expected a broker failure after {period:?} of reconnection, got {other:?}"
+            ))),
+        }
+    }
+    .await;
+    let _ = bank.close().await;
+    server.remove().await;
+    result
+}
+
 // ---------------------------------------------------------------- harness
 
 fn block_on(f: impl Future<Output = Res>) -> Res {
@@ -1891,6 +1936,9 @@ fn main() -> ExitCode {
         }));
         trials.push(Trial::test(format!("{name}::silent_listener"), move || {
             block_on(silent_listener(broker))
+        }));
+        trials.push(Trial::test(format!("{name}::gone_for_good"), move || {
+            block_on(gone_for_good(broker))
         }));
     }
     libtest_mimic::run(&args, trials).exit_code()
