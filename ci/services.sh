@@ -2,16 +2,18 @@
 # Makes the servers the tests need answer, in the state the tests expect: PostgreSQL and
 # MariaDB (the required engines), RabbitMQ and NATS with JetStream (the brokers of the
 # consumer tests), and the server programs of the private instances that some tests start
-# themselves (PostgreSQL's initdb and pg_ctl; MariaDB with galera-4 and rsync).
+# themselves (PostgreSQL's initdb and pg_ctl; MariaDB with galera-4 and rsync; rabbitmq-server
+# and nats-server for the broker faults).
 #
 #   ci/services.sh [SERVICE...]  SERVICE: postgres mysql rabbitmq nats pg-binaries
-#                                galera-binaries (no argument: all of them), at the URLs of
-#                                IDEM_POSTGRES_URL, IDEM_MYSQL_URL, IDEM_AMQP_URL, IDEM_NATS_URL
-#                                (the same defaults as ci/test.sh)
+#                                galera-binaries broker-binaries (no argument: all of them),
+#                                at the URLs of IDEM_POSTGRES_URL, IDEM_MYSQL_URL,
+#                                IDEM_AMQP_URL, IDEM_NATS_URL (the same defaults as ci/test.sh)
 #   ci/services.sh packages      the Debian packages it may install (to download them first)
 #   source ci/services.sh        defines ensure_postgres URL, ensure_mariadb URL,
 #                                ensure_rabbitmq URL, ensure_nats URL, ensure_postgres_binaries,
-#                                ensure_galera_binaries (what ci/test.sh calls)
+#                                ensure_galera_binaries, ensure_broker_binaries (what ci/test.sh
+#                                calls)
 #
 # For a URL on this machine (127.x, localhost, ::1) it checks the actual state, not what an
 # earlier run did, and repairs what is missing, so a run after a failed or interrupted one
@@ -339,6 +341,17 @@ ensure_galera_binaries() {
   log "Galera: $provider, rsync and mariadbd are installed"
 }
 
+# The broker programs themselves, for the broker-fault suite's private instances (each test
+# starts and stops its own, on ports of its own), also when the shared brokers run elsewhere.
+ensure_broker_binaries() {
+  if [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] && [ -x /usr/sbin/nats-server ]; then
+    log "broker programs: rabbitmq-server and nats-server are installed"
+    return
+  fi
+  ensure_packages rabbitmq-server nats-server
+  log "broker programs: rabbitmq-server and nats-server are installed"
+}
+
 # --- RabbitMQ --------------------------------------------------------------------------------
 hex_of() { printf '%s' "$1" | od -An -v -tx1 | tr -d ' \n'; }
 shortstr_hex() { # an AMQP short string: its length in one byte, then its bytes
@@ -496,7 +509,7 @@ ensure_nats() {
 # --- run as a script -------------------------------------------------------------------------
 services_main() {
   local what=("$@") s start
-  [ ${#what[@]} -gt 0 ] || what=(postgres mysql rabbitmq nats pg-binaries galera-binaries)
+  [ ${#what[@]} -gt 0 ] || what=(postgres mysql rabbitmq nats pg-binaries galera-binaries broker-binaries)
   for s in "${what[@]}"; do
     start=$SECONDS
     case $s in
@@ -506,7 +519,8 @@ services_main() {
       nats) ensure_nats "${IDEM_NATS_URL:-nats://127.0.0.1:4222}" ;;
       pg-binaries) ensure_postgres_binaries ;;
       galera-binaries) ensure_galera_binaries ;;
-      *) die "unknown service $s (postgres mysql rabbitmq nats pg-binaries galera-binaries, or packages)" ;;
+      broker-binaries) ensure_broker_binaries ;;
+      *) die "unknown service $s (postgres mysql rabbitmq nats pg-binaries galera-binaries broker-binaries, or packages)" ;;
     esac
     log "$s: ready ($((SECONDS - start)) s)"
   done

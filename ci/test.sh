@@ -162,6 +162,20 @@ for engine in sqlite postgres mysql; do
   cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
 done
 
+# Broker faults (tests/broker_faults, docs/reliability.md): dead-letter destinations deleted or
+# captured by the consumed stream on the shared brokers; private RabbitMQ and NATS instances
+# (ports 5682-5689 and 4232-4239, started and stopped by the test) restarted mid-stream and
+# paused, with consumers and `idem relay` on every required engine; a listener that never speaks.
+if wants sqlite && wants postgres && wants mysql; then
+  if brokers; then
+    step "broker faults: dead letters, RabbitMQ and NATS restarted, paused and silent (sqlite, postgres, mysql)"
+    ensure_broker_binaries
+    cargo test --locked -p idem-tests --all-features --test broker_faults
+  else
+    step "broker faults SKIPPED (IDEM_BROKERS=0)"
+  fi
+fi
+
 # External effects (docs/external-effects.md): the outbox relay on both brokers, then the
 # card charge with `idem demo serve` SIGKILLed between every pair of phases and during the
 # provider call, under provider faults (bigger runs: IDEM_EXTERNAL_KEYS, default 12).

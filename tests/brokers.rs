@@ -24,13 +24,19 @@ use idem::consumer::lapin::options::{
 };
 use idem::consumer::lapin::types::{AMQPValue, FieldTable};
 use idem::consumer::lapin::{self, BasicProperties, Connection, ConnectionProperties};
-use idem::consumer::{REASON_HEADER, nats::MSG_ID_HEADER};
+use idem::consumer::{
+    Consumer, DeadLetterReason, Decision, Handler, ORIGINAL_ID_HEADER, REASON_HEADER,
+    nats::MSG_ID_HEADER,
+};
+use idem::{BoxFuture, Idem, Request, Subscriber};
 use idem_conformance::Bank;
 use idem_conformance::mysql::MysqlBank;
 use idem_conformance::postgres::PgBank;
 use idem_conformance::sqlite::SqliteBank;
+use idem_conformance::{Balance, BankError};
 use libtest_mimic::{Arguments, Trial};
 use serde::Deserialize;
+use serde_json::{Value, json};
 use tokio::process::{Child, Command};
 
 #[path = "relay_support.rs"]
@@ -386,7 +392,15 @@ impl Topic {
                         .await
                         .map_err(|e| fail(e.to_string()))?;
                     let get = |k: &str| m.headers.get(k).map(|v| v.as_str().to_owned());
-                    out.push((get(MSG_ID_HEADER), get(REASON_HEADER).unwrap_or_default()));
+                    // A JetStream dead letter has an ID of its own; the original's is kept.
+                    let own = get(MSG_ID_HEADER).unwrap_or_default();
+                    check(own.starts_with("idem-dead-letter:"), || {
+                        format!("dead letter with message ID {own:?}, not one of its own")
+                    })?;
+                    out.push((
+                        get(ORIGINAL_ID_HEADER),
+                        get(REASON_HEADER).unwrap_or_default(),
+                    ));
                 }
             }
         }
@@ -1109,6 +1123,278 @@ async fn database_down_on(broker: Broker, pg: &PrivatePg) -> Res {
     result
 }
 
+// ---------------------------------------------------------------- decisions (no broker)
+
+/// Decodes any JSON body into the payload and credits account 1 with 1 (the reason
+/// labels case).
+struct AnyJson<K>(std::marker::PhantomData<fn() -> K>);
+
+impl<K: Bank> Handler<K::B> for AnyJson<K> {
+    type Message = ();
+    type Response = Balance;
+    type Error = BankError;
+
+    fn decode(&self, body: &[u8]) -> Result<((), Request), String> {
+        let value: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        Ok(((), Request::new(value)))
+    }
+
+    fn apply<'t>(
+        &self,
+        tx: &'t mut <K::B as idem::Backend>::Tx,
+        (): (),
+    ) -> BoxFuture<'t, Result<Balance, BankError>> {
+        K::credit(tx, 1, 1)
+    }
+}
+
+/// Every reason label names what happened (issue 17.9: an oversized payload was labelled
+/// `invalid-message-id`), and a setting idem refuses is not the message's fault.
+async fn reason_labels<K: Engine>(bank: &K) -> Res {
+    let sub = Subscriber::new("labels").unwrap();
+    let idem = Idem::new(bank.backend().clone()).with_max_request_bytes(256);
+    let consumer = Consumer::new(idem, sub.clone(), AnyJson::<K>(Default::default()));
+    let mut deep = json!(1);
+    for _ in 0..200 {
+        deep = json!([deep]);
+    }
+    /// What is sent, its message ID and body, and the reason it must be dead-lettered with
+    /// (`None`: applied).
+    type Case = (
+        &'static str,
+        Option<String>,
+        Vec<u8>,
+        Option<DeadLetterReason>,
+    );
+    let cases: Vec<Case> = vec![
+        (
+            "a payload over the size limit",
+            Some(unique("big")),
+            json!({ "pad": "x".repeat(1000) }).to_string().into_bytes(),
+            Some(DeadLetterReason::PayloadTooLarge),
+        ),
+        (
+            "a payload nested 200 levels deep",
+            Some(unique("deep")),
+            deep.to_string().into_bytes(),
+            Some(DeadLetterReason::MalformedBody),
+        ),
+        (
+            "a body that is not JSON",
+            Some(unique("text")),
+            b"not json".to_vec(),
+            Some(DeadLetterReason::MalformedBody),
+        ),
+        (
+            "a message ID of 256 bytes",
+            Some("i".repeat(256)),
+            b"{}".to_vec(),
+            Some(DeadLetterReason::InvalidMessageId),
+        ),
+        (
+            "no message ID",
+            None,
+            b"{}".to_vec(),
+            Some(DeadLetterReason::MissingMessageId),
+        ),
+        ("a small payload", Some(unique("ok")), b"{}".to_vec(), None),
+    ];
+    let mut seen = Vec::new();
+    for (what, id, body, expected) in cases {
+        let d = consumer.handle(id.as_deref(), &body).await;
+        let ok = match (&d, expected) {
+            (Decision::DeadLetter { reason, .. }, Some(want)) => *reason == want,
+            (Decision::Applied, None) => true,
+            _ => false,
+        };
+        check(ok, || {
+            format!("{what}: decided {d:?}, expected {expected:?}")
+        })?;
+        seen.push(match d {
+            Decision::DeadLetter { reason, .. } => reason.code(),
+            _ => "applied",
+        });
+    }
+    // A message retention idem refuses (below its minimum) refuses every call: returned
+    // for redelivery until the setting is fixed, never dead-lettered.
+    let broken = Idem::new(bank.backend().clone()).with_message_retention(Duration::ZERO);
+    let consumer = Consumer::new(broken, sub, AnyJson::<K>(Default::default()));
+    let d = consumer.handle(Some(&unique("ret")), b"{}").await;
+    check(matches!(d, Decision::Redeliver { .. }), || {
+        format!("a refused retention setting: decided {d:?}, expected redelivery")
+    })?;
+    let moved = balance(bank).await? - START;
+    check(moved == 1, || {
+        format!("balance moved by {moved}, expected 1")
+    })?;
+    println!(
+        "[{} reason labels] {seen:?}; a refused retention: redeliver",
+        K::NAME
+    );
+    Ok(())
+}
+
+/// An engine whose session an effect can lose on purpose.
+trait Killable: Engine {
+    /// Inside the effect: kills the transaction's own session from another connection of
+    /// `backend`'s pool, and waits until it is gone.
+    fn kill_own_session<'t>(
+        backend: &'t Self::B,
+        tx: &'t mut <Self::B as idem::Backend>::Tx,
+    ) -> BoxFuture<'t, Result<(), BankError>>;
+}
+
+fn bank_error(e: impl std::fmt::Display) -> BankError {
+    BankError::Db(idem::DbError::new(
+        "test",
+        idem::ErrorKind::Other,
+        e.to_string(),
+    ))
+}
+
+impl Killable for PgBank {
+    fn kill_own_session<'t>(
+        backend: &'t Self::B,
+        tx: &'t mut <Self::B as idem::Backend>::Tx,
+    ) -> BoxFuture<'t, Result<(), BankError>> {
+        use idem::postgres::sqlx;
+        Box::pin(async move {
+            let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut **tx)
+                .await
+                .map_err(bank_error)?;
+            let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
+                .bind(pid)
+                .fetch_one(backend.pool())
+                .await
+                .map_err(bank_error)?;
+            if killed {
+                Ok(())
+            } else {
+                Err(bank_error(format!("session {pid} was not terminated")))
+            }
+        })
+    }
+}
+
+impl Killable for MysqlBank {
+    fn kill_own_session<'t>(
+        backend: &'t Self::B,
+        tx: &'t mut <Self::B as idem::Backend>::Tx,
+    ) -> BoxFuture<'t, Result<(), BankError>> {
+        use idem::mysql::mysql_async::prelude::Queryable;
+        Box::pin(async move {
+            let id: Option<u64> = tx
+                .query_first("SELECT CONNECTION_ID()")
+                .await
+                .map_err(bank_error)?;
+            let id = id.ok_or_else(|| bank_error("no connection id"))?;
+            let mut control = backend.pool().get_conn().await.map_err(bank_error)?;
+            control
+                .query_drop(format!("KILL CONNECTION {id}"))
+                .await
+                .map_err(bank_error)?;
+            // KILL only flags the thread: wait until it has left the process list.
+            for _ in 0..500 {
+                let left: Option<u64> = control
+                    .exec_first(
+                        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE ID = ?",
+                        (id,),
+                    )
+                    .await
+                    .map_err(bank_error)?;
+                if left == Some(0) {
+                    return Ok(());
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(bank_error(format!("session {id} survived KILL")))
+        })
+    }
+}
+
+/// Credits `{"account": N, "amount": N}`; the first effect loses its own database
+/// session before the credit, so the credit fails on a dead connection.
+struct LosesConnection<K: Killable> {
+    backend: K::B,
+    armed: std::sync::atomic::AtomicBool,
+}
+
+impl<K: Killable> Handler<K::B> for LosesConnection<K> {
+    type Message = (i64, i64);
+    type Response = Balance;
+    type Error = BankError;
+
+    fn decode(&self, body: &[u8]) -> Result<((i64, i64), Request), String> {
+        let v: Value = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let (Some(account), Some(amount)) = (v["account"].as_i64(), v["amount"].as_i64()) else {
+            return Err("not {\"account\": N, \"amount\": N}".into());
+        };
+        Ok(((account, amount), Request::new(v)))
+    }
+
+    fn apply<'t>(
+        &self,
+        tx: &'t mut <K::B as idem::Backend>::Tx,
+        (account, amount): (i64, i64),
+    ) -> BoxFuture<'t, Result<Balance, BankError>> {
+        let lose = self.armed.swap(false, std::sync::atomic::Ordering::SeqCst);
+        let backend = self.backend.clone();
+        Box::pin(async move {
+            if lose {
+                K::kill_own_session(&backend, tx).await?;
+            }
+            K::credit(tx, account, amount).await
+        })
+    }
+    // `on_effect_error` is the default: what every handler that does not override it gets.
+}
+
+/// Issue 17.9: the consumer's default turned a connection lost inside the effect into a
+/// dead letter. It is redelivered now, and the redelivery applies the message once.
+async fn lost_connection_in_effect<K: Killable>(bank: &K) -> Res {
+    let sub = "lost-connection";
+    let handler = LosesConnection::<K> {
+        backend: bank.backend().clone(),
+        armed: std::sync::atomic::AtomicBool::new(true),
+    };
+    let consumer = Consumer::new(
+        Idem::new(bank.backend().clone()),
+        Subscriber::new(sub).unwrap(),
+        handler,
+    );
+    let id = unique("lost");
+    let body = br#"{"account": 1, "amount": 50}"#;
+    let first = consumer.handle(Some(&id), body).await;
+    check(matches!(first, Decision::Redeliver { .. }), || {
+        format!(
+            "a connection lost inside the effect must be redelivered, not dead-lettered: {first:?}"
+        )
+    })?;
+    let after_loss = balance(bank).await? - START;
+    check(after_loss == 0, || {
+        format!("the lost effect moved the balance by {after_loss}")
+    })?;
+    let second = consumer.handle(Some(&id), body).await;
+    check(second == Decision::Applied, || {
+        format!("the redelivery: {second:?}")
+    })?;
+    let third = consumer.handle(Some(&id), body).await;
+    check(third == Decision::Duplicate, || {
+        format!("the third: {third:?}")
+    })?;
+    let moved = balance(bank).await? - START;
+    let records = bank.records(sub).await?;
+    check(moved == 50 && records == 1, || {
+        format!("balance moved by {moved}, {records} records (expected 50 and 1)")
+    })?;
+    println!(
+        "[{} connection lost inside the effect] first delivery: session killed inside the effect, decided redeliver (not dead-lettered), nothing committed; redelivery applied; third delivery a duplicate; balance +50, 1 record",
+        K::NAME
+    );
+    Ok(())
+}
+
 // ---------------------------------------------------------------- harness
 
 fn block_on(f: impl Future<Output = Res>) -> Res {
@@ -1139,6 +1425,38 @@ macro_rules! case {
     }};
 }
 
+/// A private database with account 1 at [`START`], for the cases without a broker.
+async fn with_bank<K: Engine>(tag: &str, body: impl AsyncFnOnce(&K) -> Res) -> Res {
+    let (bank, _url) = K::private(tag).await?;
+    let ready = async {
+        bank.setup().await.map_err(|e| fail(e.to_string()))?;
+        bank.set_balance(1, START)
+            .await
+            .map_err(|e| fail(e.to_string()))
+    }
+    .await;
+    let result = match ready {
+        Ok(()) => body(&bank).await,
+        Err(e) => Err(e),
+    };
+    let closed = bank.close().await;
+    result?;
+    closed.map_err(|e| fail(format!("cleanup: {e}")))
+}
+
+macro_rules! decision_case {
+    ($trials:ident, $K:ty, $name:ident) => {{
+        $trials.push(Trial::test(
+            format!("consumer::{}::{}", <$K as Private>::NAME, stringify!($name)),
+            move || {
+                block_on(with_bank::<$K>(stringify!($name), async |bank| {
+                    $name::<$K>(bank).await
+                }))
+            },
+        ));
+    }};
+}
+
 fn engine_cases<K: Engine>(trials: &mut Vec<Trial>, broker: Broker) {
     case!(trials, broker, K, same_message_n_times);
     case!(trials, broker, K, crash_after_commit);
@@ -1151,6 +1469,9 @@ fn engine_cases<K: Engine>(trials: &mut Vec<Trial>, broker: Broker) {
 fn main() -> ExitCode {
     let args = Arguments::from_args();
     let mut trials = Vec::new();
+    decision_case!(trials, SqliteBank, reason_labels);
+    decision_case!(trials, PgBank, lost_connection_in_effect);
+    decision_case!(trials, MysqlBank, lost_connection_in_effect);
     for broker in [Broker::Amqp, Broker::Nats] {
         engine_cases::<SqliteBank>(&mut trials, broker);
         engine_cases::<PgBank>(&mut trials, broker);

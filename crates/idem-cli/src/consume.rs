@@ -7,9 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use clap::Args;
-use idem::consumer::{
-    CancellationToken, Consumer, Decision, Event, Handler, OnEffectError, Options, Stats,
-};
+use idem::consumer::{CancellationToken, Consumer, Decision, Event, Handler, Options, Stats};
 use idem::{BoxFuture, Idem, Request, Subscriber};
 use idem_conformance::{Balance, Bank, BankError};
 use serde::Deserialize;
@@ -28,15 +26,20 @@ MESSAGE FORMAT (any AMQP 0-9-1 or NATS client can produce it):
                sequence, the stream sequence: then only redeliveries are duplicates).
   The account is credited once per (subscriber, message ID), however often the message
   is delivered; the delivery is acknowledged only after that commit.
-  Dead letters (no message ID, an unusable ID or body, the same ID with another body, an
-  unknown account) are published to the dead-letter queue or subject with the reason in
-  the `x-idem-dead-letter-reason` header (`missing-message-id`, `invalid-message-id`,
-  `malformed-body`, `payload-mismatch`, `effect-rejected`), then acknowledged.
-  A database failure returns the message for redelivery after a growing pause.
+  Dead letters (no message ID, an unusable ID or body, a body too large to store, the
+  same ID with another body, an unknown account) are published to the dead-letter queue
+  or subject with the reason in the `x-idem-dead-letter-reason` header
+  (`missing-message-id`, `invalid-message-id`, `malformed-body`, `payload-too-large`,
+  `payload-mismatch`, `effect-rejected`) and acknowledged only once the broker stored
+  them; a dead letter the broker did not store returns the message for redelivery.
+  A database failure (a lost connection included) returns the message for redelivery
+  after a growing pause. A lost broker connection is made again for --reconnect-for
+  seconds.
   SIGTERM or Ctrl-C: the message in hand is finished, then the command exits 0.
   stdout: one JSON line of counts when the command ends. A broker that cannot be reached
-  exits 7 (as a database does); a broker failure while consuming exits 1, and the messages
-  in hand are redelivered.";
+  at start exits 7 (as a database does); a broker failure while consuming (a refusal, or no
+  connection again within --reconnect-for seconds) exits 1, and the messages in hand are
+  redelivered.";
 
 /// Where `idem consume` reads from.
 #[derive(Debug, Args)]
@@ -84,6 +87,13 @@ pub(crate) struct ConsumeArgs {
     /// Exit 0 after this many seconds without a delivery.
     #[arg(long, value_name = "SECS", value_parser = clap::value_parser!(u64).range(1..))]
     max_idle: Option<u64>,
+    /// Seconds a broker request may take: connecting, a dead letter's confirmation
+    /// (not confirmed in time: the message is returned for redelivery).
+    #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    broker_timeout: u64,
+    /// Seconds to keep reconnecting after the broker connection was lost (0: exit at once).
+    #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = clap::value_parser!(u64).range(0..=86_400))]
+    reconnect_for: u64,
     /// Fault injection for tests: SIGKILL this process after the Nth applied message's
     /// commit, before its acknowledgement.
     #[arg(long, hide = true, value_name = "N")]
@@ -161,13 +171,6 @@ impl<K: Bank> Handler<K::B> for CreditHandler<K> {
         })
     }
 
-    fn on_effect_error(&self, error: &BankError) -> OnEffectError {
-        match error {
-            BankError::Db(_) => OnEffectError::Redeliver,
-            _ => OnEffectError::DeadLetter,
-        }
-    }
-
     fn observe(&self, event: &Event<'_>) {
         let id = event.message_id.unwrap_or("(none)");
         let again = if event.redelivered {
@@ -237,7 +240,9 @@ pub(crate) async fn consume<K: Bank>(url: &str, args: ConsumeArgs) -> Result<(),
     };
     let options = Options::default()
         .prefetch(args.prefetch)
-        .max_idle(args.max_idle.map(Duration::from_secs));
+        .max_idle(args.max_idle.map(Duration::from_secs))
+        .broker_timeout(Duration::from_secs(args.broker_timeout))
+        .reconnect_for(Duration::from_secs(args.reconnect_for));
     let consumer =
         Consumer::new(Idem::new(bank.backend().clone()), subscriber, handler).with_options(options);
     let shutdown = CancellationToken::new();
@@ -257,6 +262,7 @@ pub(crate) async fn consume<K: Bank>(url: &str, args: ConsumeArgs) -> Result<(),
             "duplicates": stats.duplicates,
             "dead_lettered": stats.dead_lettered,
             "returned": stats.returned,
+            "reconnects": stats.reconnects,
         })
     );
     eprintln!("consumed: {stats}");
@@ -395,9 +401,15 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
                         if let Some(id) = id {
                             props = props.with_message_id((*id).into());
                         }
-                        publish_confirmed(&channel, queue, body.as_bytes(), props)
-                            .await
-                            .map_err(broker_fail)?;
+                        publish_confirmed(
+                            &channel,
+                            queue,
+                            body.as_bytes(),
+                            props,
+                            idem::consumer::DEFAULT_BROKER_TIMEOUT,
+                        )
+                        .await
+                        .map_err(broker_fail)?;
                         sent += 1;
                     }
                 }

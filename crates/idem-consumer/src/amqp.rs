@@ -4,15 +4,22 @@
 //!   dead-lettered (`missing-message-id`).
 //! - **Queue**: declared durable with no arguments when missing (the same declaration
 //!   succeeds on a queue other tools declared that way). The dead-letter queue is
-//!   declared the same way.
+//!   declared the same way when the loop starts.
 //! - **Acknowledgement**: manual, after the commit. A dead-lettered message is published
-//!   to the dead-letter queue on the default exchange, persistent, with its
+//!   to the dead-letter queue on the default exchange, `mandatory`, persistent, with its
 //!   `message_id`, its headers and the `x-idem-dead-letter-*` headers, and acknowledged
-//!   only after the broker confirmed that publish (publisher confirms). No queue
-//!   arguments (`x-dead-letter-exchange`) are required of anyone.
+//!   only after the broker confirmed that publish (publisher confirms) without returning
+//!   it. A dead letter the broker returns as unroutable (the dead-letter queue was
+//!   deleted or expired), negatively acknowledges, or does not confirm within
+//!   [`crate::Options::broker_timeout`] is a failure: the original is returned for
+//!   redelivery, never acknowledged. No queue arguments (`x-dead-letter-exchange`) are
+//!   required of anyone.
 //! - **Redelivery**: `basic.nack` with `requeue`, after a [`crate::Backoff`] pause.
 //!   RabbitMQ marks such deliveries `redelivered`; it also requeues every unacknowledged
 //!   message of a consumer whose channel or connection closes (a crash).
+//! - **Lost connection** (a broker restart, a network failure): the broker requeues the
+//!   messages in hand; the loop connects again with growing pauses for up to
+//!   [`crate::Options::reconnect_for`], declares its queues again and goes on.
 //! - **Prefetch**: `basic.qos` with [`crate::Options::prefetch`].
 
 use std::time::Duration;
@@ -24,13 +31,13 @@ use lapin::options::{
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
 use tokio_util::sync::CancellationToken;
 
 use crate::decision::Decision;
 use crate::error::ConsumerError;
-use crate::handler::{Consumer, Event, Failures, Handler, Stats};
-use crate::{DETAIL_HEADER, REASON_HEADER, SUBSCRIBER_HEADER};
+use crate::handler::{Consumer, Event, Failures, Handler, Lost, Stats};
+use crate::{DETAIL_HEADER, ORIGINAL_ID_HEADER, REASON_HEADER, SUBSCRIBER_HEADER};
 
 mod publisher;
 pub use publisher::{AmqpPublisher, DEFAULT_CONFIRM_TIMEOUT};
@@ -121,15 +128,31 @@ pub async fn declare_queue(channel: &Channel, queue: &str) -> Result<(), Consume
     Ok(())
 }
 
-/// Connects to `url`.
+/// Connects to `url`, waiting at most [`crate::DEFAULT_BROKER_TIMEOUT`].
 pub async fn connect(url: &str) -> Result<Connection, ConsumerError> {
-    Connection::connect(url, ConnectionProperties::default())
-        .await
-        .map_err(|e| ConsumerError::Connect {
-            broker: "amqp",
-            target: redact(url),
-            source: e.into(),
-        })
+    connect_within(url, crate::DEFAULT_BROKER_TIMEOUT).await
+}
+
+/// Connects to `url`; a broker that does not complete the handshake within `timeout`
+/// (a listener that accepts and never answers) is a [`ConsumerError::Connect`].
+pub async fn connect_within(url: &str, timeout: Duration) -> Result<Connection, ConsumerError> {
+    let connect_error = |source: Box<dyn std::error::Error + Send + Sync>| ConsumerError::Connect {
+        broker: "amqp",
+        target: redact(url),
+        source,
+    };
+    match tokio::time::timeout(
+        timeout,
+        Connection::connect(url, ConnectionProperties::default()),
+    )
+    .await
+    {
+        Ok(Ok(connection)) => Ok(connection),
+        Ok(Err(e)) => Err(connect_error(e.into())),
+        Err(_) => Err(connect_error(
+            format!("no answer from the broker within {timeout:?}").into(),
+        )),
+    }
 }
 
 fn dead_letter_properties(
@@ -143,6 +166,9 @@ fn dead_letter_properties(
     headers.insert(ShortString::from(REASON_HEADER), text(reason));
     headers.insert(ShortString::from(DETAIL_HEADER), text(detail));
     headers.insert(ShortString::from(SUBSCRIBER_HEADER), text(subscriber));
+    if let Some(id) = original.message_id() {
+        headers.insert(ShortString::from(ORIGINAL_ID_HEADER), text(id.as_str()));
+    }
     let mut props = BasicProperties::default()
         .with_headers(headers)
         .with_delivery_mode(2);
@@ -158,8 +184,10 @@ fn dead_letter_properties(
 /// Consumes `config.queue` until `shutdown` is cancelled or the consumer has been idle
 /// for [`crate::Options::max_idle`]. The message in hand when `shutdown` fires is
 /// finished; prefetched messages not started are returned to the queue when the channel
-/// closes. Returns the counts, or the broker error that stopped the loop (its messages
-/// in hand are requeued by the broker).
+/// closes. A lost connection is made again for up to [`crate::Options::reconnect_for`].
+/// Returns the counts, or the broker error that stopped the loop (its messages in hand
+/// are requeued by the broker): the first connection failing, a broker refusing the
+/// queues, or the broker still unreachable at the end of the reconnection period.
 pub async fn run<B, H>(
     consumer: &Consumer<B, H>,
     config: &AmqpConfig,
@@ -170,11 +198,79 @@ where
     H: Handler<B>,
 {
     config.validate()?;
-    let connection = connect(&config.url).await?;
-    let result = consume(consumer, config, &connection, &shutdown).await;
-    // Closing requeues everything not acknowledged.
-    let _ = connection.close(200, "idem consumer stopped".into()).await;
-    result
+    let options = *consumer.options();
+    let mut connection = connect_within(&config.url, options.broker_timeout).await?;
+    let mut session = Session::default();
+    loop {
+        let result = consume(consumer, config, &connection, &shutdown, &mut session).await;
+        // Closing requeues everything not acknowledged (bounded: the broker may be gone).
+        let _ = tokio::time::timeout(
+            options.broker_timeout,
+            connection.close(200, "idem consumer stopped".into()),
+        )
+        .await;
+        let error = match result {
+            Ok(()) => return Ok(session.stats),
+            Err(End::Refused(e)) => return Err(e),
+            Err(End::Lost(e)) => e,
+        };
+        connection = match reconnect(config, &options, &shutdown, error).await? {
+            Some(c) => c,
+            None => return Ok(session.stats),
+        };
+        session.stats.reconnects += 1;
+    }
+}
+
+/// Connects again after `error` lost the connection; `None` when `shutdown` fired first,
+/// the last connection error when the reconnection period ended.
+async fn reconnect(
+    config: &AmqpConfig,
+    options: &crate::Options,
+    shutdown: &CancellationToken,
+    error: ConsumerError,
+) -> Result<Option<Connection>, ConsumerError> {
+    let mut lost = Lost::new();
+    let mut last = error;
+    loop {
+        let Some(pause) = lost.next_pause(options) else {
+            return Err(Lost::gave_up("amqp", options, last));
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            () = tokio::time::sleep(pause) => {}
+        }
+        match connect_within(&config.url, options.broker_timeout).await {
+            Ok(c) => return Ok(Some(c)),
+            Err(e) => last = e,
+        }
+    }
+}
+
+/// Why a session with the broker ended.
+enum End {
+    /// The broker refused something on a live connection (a queue declared with other
+    /// arguments, the consumer cancelled): connecting again would not help.
+    Refused(ConsumerError),
+    /// The connection was lost or stopped answering: connect again.
+    Lost(ConsumerError),
+}
+
+impl End {
+    fn of(connection: &Connection, error: ConsumerError) -> Self {
+        if connection.status().connected() {
+            Self::Refused(error)
+        } else {
+            Self::Lost(error)
+        }
+    }
+}
+
+/// What lives across reconnections.
+#[derive(Default)]
+struct Session {
+    stats: Stats,
+    failures: Failures,
 }
 
 async fn consume<B, H>(
@@ -182,39 +278,57 @@ async fn consume<B, H>(
     config: &AmqpConfig,
     connection: &Connection,
     shutdown: &CancellationToken,
-) -> Result<Stats, ConsumerError>
+    session: &mut Session,
+) -> Result<(), End>
 where
     B: Backend,
     H: Handler<B>,
 {
     let options = *consumer.options();
-    let channel = connection
-        .create_channel()
-        .await
-        .map_err(broker("open a channel"))?;
-    declare_queue(&channel, &config.queue).await?;
-    declare_queue(&channel, &config.dead_letter_queue).await?;
-    channel
-        .confirm_select(ConfirmSelectOptions::default())
-        .await
-        .map_err(broker("enable publisher confirms"))?;
-    channel
-        .basic_qos(options.prefetch.max(1), BasicQosOptions::default())
-        .await
-        .map_err(broker("set the prefetch count"))?;
     let tag = format!("idem-{}-{}", consumer.subscriber(), std::process::id());
-    let mut deliveries = channel
-        .basic_consume(
-            config.queue.as_str().into(),
-            tag.as_str().into(),
-            BasicConsumeOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .map_err(broker(format!("consume queue {:?}", config.queue)))?;
+    let setup = async {
+        let channel = connection
+            .create_channel()
+            .await
+            .map_err(broker("open a channel"))?;
+        declare_queue(&channel, &config.queue).await?;
+        declare_queue(&channel, &config.dead_letter_queue).await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(broker("enable publisher confirms"))?;
+        channel
+            .basic_qos(options.prefetch.max(1), BasicQosOptions::default())
+            .await
+            .map_err(broker("set the prefetch count"))?;
+        let deliveries = channel
+            .basic_consume(
+                config.queue.as_str().into(),
+                tag.as_str().into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(broker(format!("consume queue {:?}", config.queue)))?;
+        Ok::<_, ConsumerError>((channel, deliveries))
+    };
+    let (channel, mut deliveries) = match tokio::time::timeout(options.broker_timeout, setup).await
+    {
+        Ok(Ok(ready)) => ready,
+        Ok(Err(e)) => return Err(End::of(connection, e)),
+        Err(_) => {
+            return Err(End::Lost(ConsumerError::broker(
+                "amqp",
+                format!("consume queue {:?}", config.queue),
+                format!(
+                    "no answer from the broker within {:?}",
+                    options.broker_timeout
+                ),
+            )));
+        }
+    };
 
-    let mut stats = Stats::default();
-    let mut failures = Failures::default();
+    let Session { stats, failures } = session;
     loop {
         let next = tokio::select! {
             biased;
@@ -224,14 +338,20 @@ where
         let delivery = match next {
             Idle::Quiet => break,
             Idle::Item(None) => {
-                return Err(ConsumerError::broker(
-                    "amqp",
-                    format!("consume queue {:?}", config.queue),
-                    "the broker cancelled the consumer",
+                return Err(End::of(
+                    connection,
+                    ConsumerError::broker(
+                        "amqp",
+                        format!("consume queue {:?}", config.queue),
+                        "the broker cancelled the consumer",
+                    ),
                 ));
             }
             Idle::Item(Some(Err(e))) => {
-                return Err(broker(format!("receive from {:?}", config.queue))(e));
+                return Err(End::Lost(broker(format!(
+                    "receive from {:?}",
+                    config.queue
+                ))(e)));
             }
             Idle::Item(Some(Ok(d))) => d,
         };
@@ -241,13 +361,7 @@ where
             .message_id()
             .as_ref()
             .map(|s| s.as_str());
-        let decision = consumer.handle(id, &delivery.data).await;
-        consumer.handler().observe(&Event {
-            message_id: id,
-            redelivered: delivery.redelivered,
-            decision: &decision,
-        });
-        let decision = match decision {
+        let decision = match consumer.handle(id, &delivery.data).await {
             Decision::DeadLetter { reason, detail } => {
                 let props = dead_letter_properties(
                     &delivery.properties,
@@ -255,15 +369,28 @@ where
                     reason.code(),
                     &detail,
                 );
-                match publish_confirmed(&channel, &config.dead_letter_queue, &delivery.data, props)
-                    .await
+                match publish_confirmed(
+                    &channel,
+                    &config.dead_letter_queue,
+                    &delivery.data,
+                    props,
+                    options.broker_timeout,
+                )
+                .await
                 {
                     Ok(()) => Decision::DeadLetter { reason, detail },
-                    Err(e) => Decision::redeliver(e.to_string()),
+                    Err(e) => Decision::redeliver(format!(
+                        "the dead letter ({reason}) was not stored: {e}"
+                    )),
                 }
             }
             other => other,
         };
+        consumer.handler().observe(&Event {
+            message_id: id,
+            redelivered: delivery.redelivered,
+            decision: &decision,
+        });
         if let Some(pause) = failures.after(&decision, &options.backoff) {
             // Cancellation cuts the pause short; the message goes back either way.
             tokio::select! {
@@ -277,50 +404,75 @@ where
                     requeue: true,
                 })
                 .await
-                .map_err(broker("return a message for redelivery"))?;
+                .map_err(|e| End::Lost(broker("return a message for redelivery")(e)))?;
         } else {
             delivery
                 .acker
                 .ack(BasicAckOptions::default())
                 .await
-                .map_err(broker("acknowledge"))?;
+                .map_err(|e| End::Lost(broker("acknowledge")(e)))?;
         }
         stats.count(&decision);
     }
-    let _ = channel
-        .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
-        .await;
-    let _ = channel.close(200, "idem consumer stopped".into()).await;
-    Ok(stats)
+    let _ = tokio::time::timeout(options.broker_timeout, async {
+        let _ = channel
+            .basic_cancel(tag.as_str().into(), BasicCancelOptions::default())
+            .await;
+        let _ = channel.close(200, "idem consumer stopped".into()).await;
+    })
+    .await;
+    Ok(())
 }
 
-/// Publishes `body` to `queue` (default exchange) and waits for the broker's confirm.
+/// Publishes `body` to `queue` (default exchange, `mandatory`) and waits up to `timeout`
+/// for the broker's confirm. The channel must be in confirm mode. `Ok` only when the
+/// broker confirmed the message without returning it: a message returned as unroutable
+/// (no such queue), negatively acknowledged, or not confirmed in time is an error (the
+/// message may or may not be stored in that last case).
 pub async fn publish_confirmed(
     channel: &Channel,
     queue: &str,
     body: &[u8],
     properties: BasicProperties,
+    timeout: Duration,
 ) -> Result<(), ConsumerError> {
-    let confirm = channel
-        .basic_publish(
-            "".into(),
-            queue.into(),
-            BasicPublishOptions::default(),
-            body,
-            properties,
-        )
-        .await
-        .map_err(broker(format!("publish to {queue:?}")))?
-        .await
-        .map_err(broker(format!("publish to {queue:?}")))?;
-    if confirm.is_nack() {
-        return Err(ConsumerError::broker(
-            "amqp",
-            format!("publish to {queue:?}"),
-            "the broker refused the message (nack)",
-        ));
+    let action = || format!("publish to {queue:?}");
+    let confirmed = tokio::time::timeout(timeout, async {
+        channel
+            .basic_publish(
+                "".into(),
+                queue.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    immediate: false,
+                },
+                body,
+                properties,
+            )
+            .await?
+            .await
+    })
+    .await;
+    let refused = |why: String| ConsumerError::broker("amqp", action(), why);
+    match confirmed {
+        Err(_) => Err(refused(format!(
+            "no confirmation from the broker within {timeout:?}"
+        ))),
+        Ok(Err(e)) => Err(broker(action())(e)),
+        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
+        Ok(Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)))) => {
+            Err(refused(format!(
+                "the broker returned the message as unroutable ({} {})",
+                returned.reply_code, returned.reply_text
+            )))
+        }
+        Ok(Ok(Confirmation::Nack(None))) => {
+            Err(refused("the broker refused the message (nack)".to_owned()))
+        }
+        Ok(Ok(Confirmation::NotRequested)) => Err(refused(
+            "the channel is not in confirm mode, so the publish is unconfirmed".to_owned(),
+        )),
     }
-    Ok(())
 }
 
 pub(crate) enum Idle<T> {

@@ -11,14 +11,20 @@ use idem_core::{Consumed, Error};
 pub enum DeadLetterReason {
     /// The delivery carried no message ID (`missing-message-id`).
     MissingMessageId,
-    /// The message ID is not a valid idem message ID: too long or with control
-    /// characters (`invalid-message-id`).
+    /// The message ID is not a valid idem message ID: longer than 255 bytes or with
+    /// control characters (`invalid-message-id`).
     InvalidMessageId,
-    /// The body could not be decoded (`malformed-body`).
+    /// The handler's [`crate::Handler::decode`] refused the body (not parseable, or
+    /// values it does not accept), or the decoded payload nests deeper than
+    /// [`idem_core::MAX_JSON_DEPTH`] levels (`malformed-body`).
     MalformedBody,
+    /// The decoded payload is larger than idem stores with a message ID
+    /// ([`idem_core::Idem::with_max_request_bytes`] of canonical JSON) (`payload-too-large`).
+    PayloadTooLarge,
     /// The message ID was processed before with a different payload (`payload-mismatch`).
     PayloadMismatch,
-    /// The effect refused the message for good (`effect-rejected`).
+    /// The effect refused the message for good: its error was final (see
+    /// [`crate::OnEffectError::for_kind`]) (`effect-rejected`).
     EffectRejected,
 }
 
@@ -29,6 +35,7 @@ impl DeadLetterReason {
             Self::MissingMessageId => "missing-message-id",
             Self::InvalidMessageId => "invalid-message-id",
             Self::MalformedBody => "malformed-body",
+            Self::PayloadTooLarge => "payload-too-large",
             Self::PayloadMismatch => "payload-mismatch",
             Self::EffectRejected => "effect-rejected",
         }
@@ -80,14 +87,26 @@ impl Decision {
     }
 }
 
+/// What idem's [`InvalidInput`] names a consumed message's ID (`MessageId::new`).
+const MESSAGE_ID_INPUT: &str = "message ID";
+/// What idem's [`InvalidInput`] names a consumed message's payload
+/// (`Idem::consume`: larger than the request limit).
+const PAYLOAD_INPUT: &str = "message payload";
+
 /// Classifies the result of [`idem_core::Idem::consume`]. `effect` decides for the
 /// effect's own errors (see [`crate::Handler::on_effect_error`]).
 ///
 /// - `Ok(Applied)` → [`Decision::Applied`]; `Ok(Duplicate)` → [`Decision::Duplicate`];
-/// - a payload mismatch → dead-letter (`payload-mismatch`); invalid input (the message
-///   ID or payload was refused before any SQL) → dead-letter (`invalid-message-id`);
-/// - another delivery of the same ID still in flight, exhausted retries, or any database
-///   error → redeliver: the database is not the message's fault, and nothing committed.
+/// - a payload mismatch → dead-letter (`payload-mismatch`);
+/// - the message ID refused before any SQL → dead-letter (`invalid-message-id`); the
+///   payload refused before any SQL (over the size limit) → dead-letter
+///   (`payload-too-large`);
+/// - any other refused input (the consumer's own settings, such as a message retention
+///   below [`idem_core::MIN_RETENTION`]) → redeliver: it is not the message's fault, and
+///   the message must survive until the setting is fixed;
+/// - another delivery of the same ID still in flight, a lock wait, exhausted retries,
+///   or any database error → redeliver: the database is not the message's fault, and
+///   nothing committed.
 pub fn classify<R, E: fmt::Display>(
     result: Result<Consumed<R>, Error<E>>,
     effect: impl FnOnce(&E) -> Decision,
@@ -101,9 +120,15 @@ pub fn classify<R, E: fmt::Display>(
                 "message ID reused with a different payload (stored {stored}, supplied {supplied})"
             ),
         ),
-        Err(Error::InvalidInput(e)) => {
-            Decision::dead_letter(DeadLetterReason::InvalidMessageId, e.to_string())
-        }
+        Err(Error::InvalidInput(e)) => match e.what() {
+            MESSAGE_ID_INPUT => {
+                Decision::dead_letter(DeadLetterReason::InvalidMessageId, e.to_string())
+            }
+            PAYLOAD_INPUT => {
+                Decision::dead_letter(DeadLetterReason::PayloadTooLarge, e.to_string())
+            }
+            _ => Decision::redeliver(e.to_string()),
+        },
         Err(Error::Effect(e)) => effect(&e),
         Err(other) => Decision::redeliver(other.to_string()),
     }
@@ -165,6 +190,23 @@ mod tests {
                 ..
             }
         ));
+        let d = classify::<u8, Boom>(
+            Err(Error::InvalidInput(InvalidInput::new(
+                "message payload",
+                "is 2000000 bytes of canonical JSON, more than the limit",
+            ))),
+            final_effect,
+        );
+        assert!(
+            matches!(
+                d,
+                Decision::DeadLetter {
+                    reason: DeadLetterReason::PayloadTooLarge,
+                    ..
+                }
+            ),
+            "an oversized payload is not an invalid message ID: {d:?}"
+        );
         let d = classify::<u8, Boom>(Err(Error::Effect(Boom)), final_effect);
         assert!(matches!(
             d,
@@ -206,11 +248,39 @@ mod tests {
     }
 
     #[test]
-    fn reason_codes_are_stable() {
-        assert_eq!(
-            DeadLetterReason::MissingMessageId.to_string(),
-            "missing-message-id"
+    fn a_refused_setting_is_not_the_message_fault() {
+        // A retention below the minimum refuses every call: dead-lettering would empty
+        // the queue into the dead-letter destination until the setting is fixed.
+        let d = classify::<u8, Boom>(
+            Err(Error::InvalidInput(InvalidInput::new(
+                "message retention",
+                "0ns is shorter than the minimum of 1s",
+            ))),
+            final_effect,
         );
-        assert_eq!(DeadLetterReason::PayloadMismatch.code(), "payload-mismatch");
+        assert!(matches!(d, Decision::Redeliver { .. }), "{d:?}");
+        let d = classify::<u8, Boom>(
+            Err(Error::LockWait {
+                waited: Duration::from_secs(5),
+            }),
+            final_effect,
+        );
+        assert!(matches!(d, Decision::Redeliver { .. }), "{d:?}");
+    }
+
+    #[test]
+    fn reason_codes_are_stable() {
+        let all = [
+            (DeadLetterReason::MissingMessageId, "missing-message-id"),
+            (DeadLetterReason::InvalidMessageId, "invalid-message-id"),
+            (DeadLetterReason::MalformedBody, "malformed-body"),
+            (DeadLetterReason::PayloadTooLarge, "payload-too-large"),
+            (DeadLetterReason::PayloadMismatch, "payload-mismatch"),
+            (DeadLetterReason::EffectRejected, "effect-rejected"),
+        ];
+        for (reason, code) in all {
+            assert_eq!(reason.code(), code);
+            assert_eq!(reason.to_string(), code);
+        }
     }
 }

@@ -5,7 +5,9 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
-use idem_core::{Backend, BoxFuture, Idem, MessageId, Request, Subscriber};
+use idem_core::{
+    Backend, BoxFuture, ErrorKind, Idem, MAX_JSON_DEPTH, MessageId, Request, Subscriber,
+};
 
 use crate::decision::{DeadLetterReason, Decision, classify};
 
@@ -15,8 +17,29 @@ use crate::decision::{DeadLetterReason, Decision, classify};
 pub enum OnEffectError {
     /// A final refusal: dead-letter with reason `effect-rejected`.
     DeadLetter,
-    /// A passing failure (the effect's own database error): redeliver after a pause.
+    /// A passing failure: redeliver after a pause.
     Redeliver,
+}
+
+impl OnEffectError {
+    /// The default decision for an effect's error, from the kind of the first database
+    /// error in its chain of sources, as the engine classified it by its error code
+    /// (`None`: the chain holds no database error):
+    ///
+    /// | database error in the chain | decision |
+    /// |---|---|
+    /// | none: the effect's own refusal (an unknown account, a rule of the business) | [`OnEffectError::DeadLetter`] |
+    /// | [`ErrorKind::UniqueViolation`]: the message's data conflicts with stored data | [`OnEffectError::DeadLetter`] |
+    /// | any other kind: a lost connection, a deadlock, a lock wait, a busy or failing database | [`OnEffectError::Redeliver`] |
+    ///
+    /// A lost connection is never final: the effect rolled back (or its outcome is
+    /// unknown and the redelivery finds the record), and the message must come back.
+    pub fn for_kind(kind: Option<ErrorKind>) -> Self {
+        match kind {
+            None | Some(ErrorKind::UniqueViolation) => Self::DeadLetter,
+            Some(_) => Self::Redeliver,
+        }
+    }
 }
 
 /// A message's decoding and local effect. The consumer runs the effect through
@@ -41,15 +64,21 @@ pub trait Handler<B: Backend>: Send + Sync {
         message: Self::Message,
     ) -> BoxFuture<'t, Result<Self::Response, Self::Error>>;
 
-    /// Whether a failed effect is final (dead-letter, the default) or passing
-    /// (redeliver). Nothing committed either way.
-    fn on_effect_error(&self, error: &Self::Error) -> OnEffectError {
+    /// Whether a failed effect is final (dead-letter) or passing (redeliver). Nothing
+    /// committed either way. `kind` is the kind of the first database error in `error`'s
+    /// chain of sources, found by the backend's classification of driver errors (by
+    /// engine code, never by message text), `None` when the chain holds none. The
+    /// default is [`OnEffectError::for_kind`]: the effect's own errors and unique
+    /// violations are final, every other database error (a lost connection above all)
+    /// is redelivered.
+    fn on_effect_error(&self, error: &Self::Error, kind: Option<ErrorKind>) -> OnEffectError {
         let _ = error;
-        OnEffectError::DeadLetter
+        OnEffectError::for_kind(kind)
     }
 
-    /// Called once per delivery after the decision and before the broker is told
-    /// (logging, metrics).
+    /// Called once per delivery with the decision the loop carries out, before the
+    /// broker is told (logging, metrics). A dead letter whose publish failed is seen
+    /// here as [`Decision::Redeliver`].
     fn observe(&self, event: &Event<'_>) {
         let _ = event;
     }
@@ -99,6 +128,14 @@ impl Backoff {
     }
 }
 
+/// How long a broker request may take by default ([`Options::broker_timeout`]): generous,
+/// so a loaded broker is not mistaken for a lost one.
+pub const DEFAULT_BROKER_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long a loop keeps reconnecting to a broker it lost by default
+/// ([`Options::reconnect_for`]).
+pub const DEFAULT_RECONNECT_FOR: Duration = Duration::from_secs(300);
+
 /// Settings shared by both brokers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
@@ -110,6 +147,16 @@ pub struct Options {
     pub max_idle: Option<Duration>,
     /// Pauses before a failed message is returned.
     pub backoff: Backoff,
+    /// How long one broker request may take before it counts as failed: connecting,
+    /// the confirmation of a dead-letter publish (RabbitMQ's publisher confirm,
+    /// JetStream's PubAck), a confirmed JetStream acknowledgement. A dead letter whose
+    /// confirmation does not come in time is not acknowledged: the message is returned.
+    pub broker_timeout: Duration,
+    /// After the connection to the broker was lost (a restart, a network failure), how
+    /// long the loop keeps reconnecting, with growing pauses, before it stops with the
+    /// broker's error. Messages in hand are redelivered by the broker either way.
+    /// Zero: stop at the first loss.
+    pub reconnect_for: Duration,
 }
 
 impl Default for Options {
@@ -118,6 +165,8 @@ impl Default for Options {
             prefetch: 10,
             max_idle: None,
             backoff: Backoff::default(),
+            broker_timeout: DEFAULT_BROKER_TIMEOUT,
+            reconnect_for: DEFAULT_RECONNECT_FOR,
         }
     }
 }
@@ -143,6 +192,20 @@ impl Options {
         self.backoff = backoff;
         self
     }
+
+    /// Sets how long one broker request may take (at least 100 ms).
+    #[must_use]
+    pub fn broker_timeout(mut self, timeout: Duration) -> Self {
+        self.broker_timeout = timeout.max(Duration::from_millis(100));
+        self
+    }
+
+    /// Sets how long the loop keeps reconnecting to a lost broker.
+    #[must_use]
+    pub fn reconnect_for(mut self, period: Duration) -> Self {
+        self.reconnect_for = period;
+        self
+    }
 }
 
 /// What a consumer loop did, counted per delivery.
@@ -158,6 +221,8 @@ pub struct Stats {
     pub dead_lettered: u64,
     /// Negative acknowledgements: nothing committed, the broker redelivers.
     pub returned: u64,
+    /// Connections to the broker lost and made again.
+    pub reconnects: u64,
 }
 
 impl Stats {
@@ -177,12 +242,33 @@ impl Stats {
     }
 }
 
+impl std::ops::Add for Stats {
+    type Output = Stats;
+
+    /// The counts of two runs together.
+    fn add(self, other: Stats) -> Stats {
+        Stats {
+            delivered: self.delivered + other.delivered,
+            applied: self.applied + other.applied,
+            duplicates: self.duplicates + other.duplicates,
+            dead_lettered: self.dead_lettered + other.dead_lettered,
+            returned: self.returned + other.returned,
+            reconnects: self.reconnects + other.reconnects,
+        }
+    }
+}
+
 impl fmt::Display for Stats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} deliveries: {} applied, {} duplicates, {} dead-lettered, {} returned for redelivery",
-            self.delivered, self.applied, self.duplicates, self.dead_lettered, self.returned
+            "{} deliveries: {} applied, {} duplicates, {} dead-lettered, {} returned for redelivery, {} reconnections",
+            self.delivered,
+            self.applied,
+            self.duplicates,
+            self.dead_lettered,
+            self.returned,
+            self.reconnects
         )
     }
 }
@@ -260,19 +346,98 @@ impl<B: Backend, H: Handler<B>> Consumer<B, H> {
             Ok(decoded) => decoded,
             Err(why) => return Decision::dead_letter(DeadLetterReason::MalformedBody, why),
         };
+        if let Some(refused) = self.unstorable(&payload) {
+            return refused;
+        }
         let handler = &self.handler;
-        let result = self
-            .idem
+        let idem = &self.idem;
+        let result = idem
             .consume(&self.subscriber, &id, Some(&payload), |tx| {
                 handler.apply(tx, message.clone())
             })
             .await;
-        classify(result, |e| match handler.on_effect_error(e) {
-            OnEffectError::Redeliver => Decision::redeliver(e.to_string()),
-            OnEffectError::DeadLetter => {
-                Decision::dead_letter(DeadLetterReason::EffectRejected, e.to_string())
+        classify(result, |e| {
+            let kind = idem.classify_effect_error(e);
+            match handler.on_effect_error(e, kind) {
+                OnEffectError::Redeliver => Decision::redeliver(e.to_string()),
+                OnEffectError::DeadLetter => {
+                    Decision::dead_letter(DeadLetterReason::EffectRejected, e.to_string())
+                }
             }
         })
+    }
+
+    /// A payload idem would refuse to store, decided before any SQL: nested too deeply
+    /// (`Request::new` keeps no canonical text for it) or larger than the limit.
+    fn unstorable(&self, payload: &Request) -> Option<Decision> {
+        let text = payload.as_json();
+        if text.is_empty() {
+            return Some(Decision::dead_letter(
+                DeadLetterReason::MalformedBody,
+                format!("the decoded payload nests deeper than {MAX_JSON_DEPTH} levels"),
+            ));
+        }
+        let limit = self.idem.max_request_bytes();
+        if text.len() > limit {
+            return Some(Decision::dead_letter(
+                DeadLetterReason::PayloadTooLarge,
+                format!(
+                    "the decoded payload is {} bytes of canonical JSON, more than the limit of {limit} bytes",
+                    text.len()
+                ),
+            ));
+        }
+        None
+    }
+}
+
+/// Reconnection after a lost broker: pauses growing from 100 ms to 5 s, for at most
+/// [`Options::reconnect_for`] since the loss.
+#[derive(Debug)]
+#[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
+pub(crate) struct Lost {
+    since: tokio::time::Instant,
+    attempts: u32,
+}
+
+#[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
+impl Lost {
+    pub(crate) fn new() -> Self {
+        Self {
+            since: tokio::time::Instant::now(),
+            attempts: 0,
+        }
+    }
+
+    /// The error a loop stops with when the reconnection period ended: the broker
+    /// stayed out of reach (the last failure as its source).
+    #[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
+    pub(crate) fn gave_up(
+        broker: &'static str,
+        options: &Options,
+        last: crate::ConsumerError,
+    ) -> crate::ConsumerError {
+        crate::ConsumerError::broker(
+            broker,
+            format!("get the broker back within {:?}", options.reconnect_for),
+            last,
+        )
+    }
+
+    /// The pause before the next attempt to reach the broker again, or `None` when the
+    /// reconnection period is over.
+    pub(crate) fn next_pause(&mut self, options: &Options) -> Option<Duration> {
+        if self.since.elapsed() >= options.reconnect_for {
+            return None;
+        }
+        self.attempts = self.attempts.saturating_add(1);
+        Some(
+            Backoff {
+                base: Duration::from_millis(100),
+                max: Duration::from_secs(5),
+            }
+            .delay(self.attempts),
+        )
     }
 }
 
@@ -312,6 +477,49 @@ mod tests {
             assert!(fourth >= Duration::from_millis(400) && fourth <= Duration::from_millis(800));
             assert!(b.delay(40) <= Duration::from_secs(1));
             assert!(b.delay(40) >= Duration::from_millis(500));
+        }
+    }
+
+    #[test]
+    fn only_final_effect_errors_are_dead_lettered() {
+        // The effect's own refusal and a conflict with stored data are final.
+        assert_eq!(OnEffectError::for_kind(None), OnEffectError::DeadLetter);
+        assert_eq!(
+            OnEffectError::for_kind(Some(ErrorKind::UniqueViolation)),
+            OnEffectError::DeadLetter
+        );
+        // Everything else the database says is not the message's fault.
+        for kind in [
+            ErrorKind::Connection,
+            ErrorKind::Busy,
+            ErrorKind::Deadlock,
+            ErrorKind::SerializationFailure,
+            ErrorKind::LockTimeout,
+            ErrorKind::Transient,
+            ErrorKind::Authentication,
+            ErrorKind::MissingDatabase,
+            ErrorKind::ClientLibraryMissing,
+            ErrorKind::CorruptRecord,
+            ErrorKind::Configuration,
+            ErrorKind::Other,
+        ] {
+            assert_eq!(
+                OnEffectError::for_kind(Some(kind)),
+                OnEffectError::Redeliver,
+                "{kind}"
+            );
+        }
+    }
+
+    #[test]
+    fn reconnection_stops_after_its_period() {
+        let options = Options::default().reconnect_for(Duration::ZERO);
+        assert_eq!(Lost::new().next_pause(&options), None);
+        let options = Options::default().reconnect_for(Duration::from_secs(60));
+        let mut lost = Lost::new();
+        for _ in 0..20 {
+            let pause = lost.next_pause(&options).unwrap();
+            assert!(pause <= Duration::from_secs(5));
         }
     }
 

@@ -12,13 +12,19 @@
 //!    commits in the same transaction as the effect;
 //! 3. the outcome becomes a [`Decision`]:
 //!    - applied or duplicate → **acknowledge** (only after the commit);
-//!    - no message ID, an unusable ID, an undecodable body, the same ID with a different
-//!      payload, or an effect the handler calls final → **dead-letter**: the message is
-//!      published to the configured dead-letter queue or subject with the reason in the
-//!      `x-idem-dead-letter-reason` header, and only then acknowledged;
-//!    - a database that failed or is unreachable → **redeliver**: negative acknowledgement
-//!      after a growing, jittered pause ([`Backoff`]), so the message is never lost and a
-//!      database outage is never a hot loop.
+//!    - no message ID, an unusable ID, an undecodable body, a payload too large to store,
+//!      the same ID with a different payload, or a final effect error
+//!      ([`Handler::on_effect_error`]: by default the effect's own refusals) →
+//!      **dead-letter**: the message is published to the configured dead-letter queue or
+//!      subject with the reason in the `x-idem-dead-letter-reason` header, and acknowledged
+//!      only once the broker stored that copy (otherwise it is redelivered);
+//!    - a database that failed or is unreachable, inside the effect too (a lost
+//!      connection, a deadlock) → **redeliver**: negative acknowledgement after a growing,
+//!      jittered pause ([`Backoff`]), so the message is never lost and a database outage
+//!      is never a hot loop.
+//!
+//! A lost broker connection is made again for [`Options::reconnect_for`]; every broker
+//! request is bounded by [`Options::broker_timeout`].
 //!
 //! Shutdown (a [`CancellationToken`]) lets the message in hand finish: it is committed
 //! and acknowledged, or returned; messages prefetched but not started are returned to the
@@ -26,7 +32,7 @@
 //!
 //! Implement [`Handler`] (decode the body, run the effect in the transaction), wrap it in
 //! a [`Consumer`] with an [`Idem`] and a subscriber, and pass it to `amqp::run` or
-//! `nats::run`. The `idem consume` command (crates/idem-cli/src/consume.rs) is a complete
+//! `nats::run`. The `idem demo consume` command (crates/idem-cli/src/consume.rs) is a complete
 //! example: the demo's credit on any engine. docs/consumers.md describes each broker's
 //! message ID, redelivery window and dead-lettering.
 //!
@@ -50,7 +56,10 @@ pub mod nats;
 
 pub use decision::{DeadLetterReason, Decision, classify};
 pub use error::ConsumerError;
-pub use handler::{Backoff, Consumer, Event, Failures, Handler, OnEffectError, Options, Stats};
+pub use handler::{
+    Backoff, Consumer, DEFAULT_BROKER_TIMEOUT, DEFAULT_RECONNECT_FOR, Event, Failures, Handler,
+    OnEffectError, Options, Stats,
+};
 pub use publish::PublishError;
 pub use tokio_util::sync::CancellationToken;
 
@@ -68,3 +77,6 @@ pub const REASON_HEADER: &str = "x-idem-dead-letter-reason";
 pub const DETAIL_HEADER: &str = "x-idem-dead-letter-detail";
 /// The header that names the subscriber that dead-lettered a message.
 pub const SUBSCRIBER_HEADER: &str = "x-idem-subscriber";
+/// The header that carries the original message ID of a dead letter (JetStream dead
+/// letters have a message ID of their own, derived from the original delivery).
+pub const ORIGINAL_ID_HEADER: &str = "x-idem-original-message-id";

@@ -9,20 +9,41 @@
 //!   consumer is created when missing (explicit acks, [`NatsConfig::ack_wait`], optional
 //!   filter subject) and reused as it is when it exists.
 //! - **Acknowledgement**: explicit, after the commit (`+ACK`, confirmed by the server:
-//!   double ack). A dead-lettered message is published through JetStream to
-//!   [`NatsConfig::dead_letter_subject`] with the `x-idem-dead-letter-*` headers and its
-//!   original headers (so its `Nats-Msg-Id`), and acknowledged only after the stream
-//!   that captures that subject stored it. That subject must belong to a stream (not the
-//!   consumed one's filter), or the publish fails and the message is redelivered.
+//!   double ack).
+//! - **Dead letters** are published through JetStream to
+//!   [`NatsConfig::dead_letter_subject`] with the original headers, the
+//!   `x-idem-dead-letter-*` headers, and a message ID of their own:
+//!   `Nats-Msg-Id: idem-dead-letter:<subscriber>:<stream>:<stream sequence>` (derived
+//!   from the delivery, so the same for every redelivery of it), with the original ID
+//!   in `x-idem-original-message-id`. Reusing the original ID would make JetStream drop
+//!   the dead letter as a duplicate of the original whenever one stream captures both
+//!   subjects. The original is acknowledged only after a stream stored the dead letter.
+//!   A PubAck that says `duplicate` means this publish stored nothing: it counts only
+//!   when the stream still holds the earlier copy of this very dead letter (same ID,
+//!   same subject, at the sequence the PubAck names: the message was dead-lettered
+//!   before and came back because its acknowledgement was lost). Any other duplicate,
+//!   no PubAck within [`crate::Options::broker_timeout`], or no stream for the subject
+//!   is a failure: the original is returned for redelivery, never acknowledged.
+//! - **A dead-letter subject this consumer would receive** (captured by the consumed
+//!   stream and matched by the consumer's filter, such as the default
+//!   `<stream>.dead-letter` under a `<stream>.>` stream with an unfiltered consumer) is
+//!   refused when the loop starts ([`crate::ConsumerError::Config`]): the consumer would
+//!   apply its own dead letters as new messages.
 //! - **Redelivery**: `-NAK` with a delay (the [`crate::Backoff`] pause); the server also
 //!   redelivers any message not acknowledged within `ack_wait` (a crash).
+//! - **Lost connection** (a server restart, a network failure): the client reconnects
+//!   on its own; the loop pauses and pulls again for up to
+//!   [`crate::Options::reconnect_for`]. A message whose acknowledgement failed comes
+//!   back after `ack_wait` and is recognised as a duplicate.
 //! - **Prefetch**: the pull batch size ([`crate::Options::prefetch`]).
 
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::connection::State;
 use async_nats::jetstream::consumer::pull::Config as PullConfig;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::context::GetStreamByNameErrorKind;
 use async_nats::jetstream::{self, AckKind, Context};
 use futures_util::StreamExt;
 use idem_core::Backend;
@@ -30,8 +51,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::decision::Decision;
 use crate::error::ConsumerError;
-use crate::handler::{Consumer, Event, Failures, Handler, Stats};
-use crate::{DETAIL_HEADER, REASON_HEADER, SUBSCRIBER_HEADER};
+use crate::handler::{Consumer, Event, Failures, Handler, Lost, Stats};
+use crate::{DETAIL_HEADER, ORIGINAL_ID_HEADER, REASON_HEADER, SUBSCRIBER_HEADER};
 
 mod publisher;
 pub use publisher::{DEFAULT_STREAM, NatsPublisher};
@@ -159,18 +180,36 @@ fn broker<E: Into<Box<dyn std::error::Error + Send + Sync>>>(
     move |e| ConsumerError::broker("nats", action, e)
 }
 
-/// Connects to `url` and returns its JetStream context (requests wait up to
-/// [`REQUEST_TIMEOUT`]).
+/// Connects to `url` and returns its JetStream context (connecting and requests wait up
+/// to [`REQUEST_TIMEOUT`]).
 pub async fn connect(url: &str) -> Result<Context, ConsumerError> {
-    let client = async_nats::connect(url)
-        .await
-        .map_err(|e| ConsumerError::Connect {
-            broker: "nats",
-            target: url.to_owned(),
-            source: e.into(),
-        })?;
+    connect_within(url, REQUEST_TIMEOUT).await
+}
+
+/// Connects to `url` and returns its JetStream context: a server that does not complete
+/// the handshake within `timeout` (a listener that accepts and never answers) is a
+/// [`ConsumerError::Connect`]; JetStream requests (a PubAck, a confirmed `+ACK`) wait
+/// up to `timeout` too.
+pub async fn connect_within(url: &str, timeout: Duration) -> Result<Context, ConsumerError> {
+    let connect_error = |source: Box<dyn std::error::Error + Send + Sync>| ConsumerError::Connect {
+        broker: "nats",
+        target: crate::publish::redact(url),
+        source,
+    };
+    let connecting = async_nats::ConnectOptions::new()
+        .connection_timeout(timeout)
+        .connect(url);
+    let client = match tokio::time::timeout(timeout.saturating_mul(2), connecting).await {
+        Ok(Ok(client)) => client,
+        Ok(Err(e)) => return Err(connect_error(e.into())),
+        Err(_) => {
+            return Err(connect_error(
+                format!("no answer from the server within {timeout:?}").into(),
+            ));
+        }
+    };
     let mut js = jetstream::new(client);
-    js.set_timeout(REQUEST_TIMEOUT);
+    js.set_timeout(timeout);
     Ok(js)
 }
 
@@ -222,9 +261,84 @@ fn message_id(message: &jetstream::Message, source: MessageIdSource) -> Option<S
 /// How long a pull request waits for messages before the loop looks at its clock.
 const PULL_EXPIRY: Duration = Duration::from_secs(1);
 
+/// The message ID of the dead letter of a delivery: derived from the stream and the
+/// stream sequence, so every redelivery of one stored message gets the same ID, and
+/// never the original's ID (JetStream would drop the dead letter as a duplicate of the
+/// original when one stream captures both subjects).
+fn dead_letter_id(subscriber: &str, message: &jetstream::Message) -> String {
+    match message.info() {
+        Ok(info) => format!(
+            "idem-dead-letter:{subscriber}:{}:{}",
+            info.stream, info.stream_sequence
+        ),
+        // Not a JetStream delivery (no acknowledgement subject to parse): unique.
+        Err(_) => format!(
+            "idem-dead-letter:{subscriber}:{:016x}{:016x}",
+            fastrand::u64(..),
+            fastrand::u64(..)
+        ),
+    }
+}
+
+/// Whether `subject` matches the NATS subject `filter` (`*` one token, `>` the rest).
+fn subject_matches(filter: &str, subject: &str) -> bool {
+    let mut wanted = filter.split('.');
+    let mut tokens = subject.split('.');
+    loop {
+        match (wanted.next(), tokens.next()) {
+            (Some(">"), Some(_)) => return true,
+            (Some("*"), Some(_)) => {}
+            (Some(w), Some(t)) if w == t => {}
+            (None, None) => return true,
+            _ => return false,
+        }
+    }
+}
+
+/// Refuses a dead-letter subject that the consumed stream captures and this consumer's
+/// filter matches: the consumer would receive its own dead letters as new messages.
+async fn check_dead_letter_route(
+    js: &Context,
+    config: &NatsConfig,
+    pull: &PullConsumer,
+) -> Result<(), ConsumerError> {
+    let filter = &pull.cached_info().config.filter_subject;
+    if !filter.is_empty() && !subject_matches(filter, &config.dead_letter_subject) {
+        return Ok(());
+    }
+    match js
+        .stream_by_subject(config.dead_letter_subject.as_str())
+        .await
+    {
+        Ok(stream) if stream == config.stream => Err(ConsumerError::Config(format!(
+            "the dead-letter subject {:?} is captured by the consumed stream {:?} and matched by \
+             consumer {:?}'s filter ({}): the consumer would receive its own dead letters as new \
+             messages; give the consumer a filter subject that excludes it, or choose a \
+             dead-letter subject another stream captures",
+            config.dead_letter_subject,
+            config.stream,
+            config.consumer,
+            if filter.is_empty() {
+                "the whole stream".to_owned()
+            } else {
+                format!("{filter:?}")
+            }
+        ))),
+        Ok(_) => Ok(()),
+        // No stream captures it (yet): each dead letter fails and its message is returned
+        // until one does.
+        Err(e) if e.kind() == GetStreamByNameErrorKind::NotFound => Ok(()),
+        Err(e) => Err(broker(format!(
+            "find the stream of the dead-letter subject {:?}",
+            config.dead_letter_subject
+        ))(e)),
+    }
+}
+
 /// Consumes through the durable consumer until `shutdown` is cancelled or nothing
 /// arrived for [`crate::Options::max_idle`]. The message in hand when `shutdown` fires is
 /// finished; messages of the current pull not yet started are returned at once (`-NAK`).
+/// A lost connection is waited out for up to [`crate::Options::reconnect_for`].
 pub async fn run<B, H>(
     consumer: &Consumer<B, H>,
     config: &NatsConfig,
@@ -236,11 +350,14 @@ where
 {
     config.validate()?;
     let options = *consumer.options();
-    let js = connect(&config.url).await?;
+    let js = connect_within(&config.url, options.broker_timeout).await?;
     let pull = durable_consumer(&js, config).await?;
+    check_dead_letter_route(&js, config, &pull).await?;
+    let client = js.client();
     let mut stats = Stats::default();
     let mut failures = Failures::default();
     let mut quiet = Duration::ZERO;
+    let mut lost: Option<Lost> = None;
     loop {
         if shutdown.is_cancelled() {
             break;
@@ -249,99 +366,241 @@ where
             break;
         }
         let started = tokio::time::Instant::now();
-        let mut batch = pull
-            .batch()
-            .max_messages(usize::from(options.prefetch.max(1)))
-            .expires(PULL_EXPIRY)
-            .messages()
-            .await
-            .map_err(broker("pull messages"))?;
-        let mut got = false;
-        while let Some(next) = batch.next().await {
-            let message = next.map_err(broker("receive a message"))?;
-            if shutdown.is_cancelled() {
-                message
-                    .ack_with(AckKind::Nak(None))
-                    .await
-                    .map_err(broker("return a message"))?;
-                stats.delivered += 1;
-                stats.returned += 1;
+        let pulled = session(
+            consumer,
+            config,
+            &js,
+            &pull,
+            &shutdown,
+            &mut stats,
+            &mut failures,
+        )
+        .await;
+        let connected = client.connection_state() == State::Connected;
+        let error = match pulled {
+            Ok(got) if got || connected => {
+                lost = None;
+                if got {
+                    quiet = Duration::ZERO;
+                } else {
+                    quiet += started.elapsed();
+                }
                 continue;
             }
-            got = true;
-            stats.delivered += 1;
-            let id = message_id(&message, config.id_source);
-            let decision = consumer.handle(id.as_deref(), &message.payload).await;
-            let redelivered = message.info().map(|i| i.delivered > 1).unwrap_or(false);
-            consumer.handler().observe(&Event {
-                message_id: id.as_deref(),
-                redelivered,
-                decision: &decision,
-            });
-            let decision = match decision {
-                Decision::DeadLetter { reason, detail } => {
-                    let mut headers = message.headers.clone().unwrap_or_default();
-                    headers.insert(REASON_HEADER, reason.code());
-                    headers.insert(DETAIL_HEADER, detail.as_str());
-                    headers.insert(SUBSCRIBER_HEADER, consumer.subscriber().as_str());
-                    match publish_stored(
-                        &js,
-                        &config.dead_letter_subject,
-                        headers,
-                        message.payload.to_vec(),
-                    )
-                    .await
-                    {
-                        Ok(()) => Decision::DeadLetter { reason, detail },
-                        Err(e) => Decision::redeliver(e.to_string()),
-                    }
-                }
-                other => other,
-            };
-            match failures.after(&decision, &options.backoff) {
-                Some(pause) => {
-                    // The server waits `pause` before redelivering; this loop waits too, so
-                    // a database outage is not a hot loop over the rest of the stream.
-                    message
-                        .ack_with(AckKind::Nak(Some(pause)))
-                        .await
-                        .map_err(broker("return a message for redelivery"))?;
-                    tokio::select! {
-                        () = shutdown.cancelled() => {}
-                        () = tokio::time::sleep(pause) => {}
-                    }
-                }
-                None => message.double_ack().await.map_err(broker("acknowledge"))?,
-            }
-            stats.count(&decision);
-        }
-        if got {
-            quiet = Duration::ZERO;
-        } else {
-            quiet += started.elapsed();
+            Ok(_) => ConsumerError::broker(
+                "nats",
+                "pull messages",
+                "the connection to the server is lost",
+            ),
+            Err(e) => e,
+        };
+        // The client reconnects on its own; wait for it, for a while.
+        let Some(pause) = lost.get_or_insert_with(Lost::new).next_pause(&options) else {
+            return Err(Lost::gave_up("nats", &options, error));
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => {}
+            () = tokio::time::sleep(pause) => {}
         }
     }
+    stats.reconnects = reconnects(&client);
     Ok(stats)
 }
 
-/// Publishes through JetStream and waits until a stream stored the message.
+/// Connections the client made again after the first.
+fn reconnects(client: &async_nats::Client) -> u64 {
+    client
+        .statistics()
+        .connects
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .saturating_sub(1)
+}
+
+/// One pull: the batch's messages, each decided and acknowledged or returned. `Ok(true)`
+/// when a message was handled, `Err` when the broker failed (the messages in hand come
+/// back after `ack_wait`).
+async fn session<B, H>(
+    consumer: &Consumer<B, H>,
+    config: &NatsConfig,
+    js: &Context,
+    pull: &PullConsumer,
+    shutdown: &CancellationToken,
+    stats: &mut Stats,
+    failures: &mut Failures,
+) -> Result<bool, ConsumerError>
+where
+    B: Backend,
+    H: Handler<B>,
+{
+    let options = *consumer.options();
+    let mut batch = pull
+        .batch()
+        .max_messages(usize::from(options.prefetch.max(1)))
+        .expires(PULL_EXPIRY)
+        .messages()
+        .await
+        .map_err(broker("pull messages"))?;
+    let mut got = false;
+    while let Some(next) = batch.next().await {
+        let message = next.map_err(broker("receive a message"))?;
+        if shutdown.is_cancelled() {
+            message
+                .ack_with(AckKind::Nak(None))
+                .await
+                .map_err(broker("return a message"))?;
+            stats.delivered += 1;
+            stats.returned += 1;
+            continue;
+        }
+        got = true;
+        stats.delivered += 1;
+        let id = message_id(&message, config.id_source);
+        let decision = match consumer.handle(id.as_deref(), &message.payload).await {
+            Decision::DeadLetter { reason, detail } => {
+                let mut headers = message.headers.clone().unwrap_or_default();
+                if let Some(original) = message.headers.as_ref().and_then(|h| h.get(MSG_ID_HEADER))
+                {
+                    headers.insert(ORIGINAL_ID_HEADER, original.as_str());
+                }
+                let dl_id = dead_letter_id(consumer.subscriber().as_str(), &message);
+                headers.insert(MSG_ID_HEADER, dl_id.as_str());
+                headers.insert(REASON_HEADER, reason.code());
+                headers.insert(DETAIL_HEADER, detail.as_str());
+                headers.insert(SUBSCRIBER_HEADER, consumer.subscriber().as_str());
+                match publish_dead_letter(
+                    js,
+                    &config.dead_letter_subject,
+                    &dl_id,
+                    headers,
+                    message.payload.to_vec(),
+                )
+                .await
+                {
+                    Ok(()) => Decision::DeadLetter { reason, detail },
+                    Err(e) => Decision::redeliver(format!(
+                        "the dead letter ({reason}) was not stored: {e}"
+                    )),
+                }
+            }
+            other => other,
+        };
+        let redelivered = message.info().map(|i| i.delivered > 1).unwrap_or(false);
+        consumer.handler().observe(&Event {
+            message_id: id.as_deref(),
+            redelivered,
+            decision: &decision,
+        });
+        match failures.after(&decision, &options.backoff) {
+            Some(pause) => {
+                // The server waits `pause` before redelivering; this loop waits too, so
+                // a database outage is not a hot loop over the rest of the stream.
+                message
+                    .ack_with(AckKind::Nak(Some(pause)))
+                    .await
+                    .map_err(broker("return a message for redelivery"))?;
+                tokio::select! {
+                    () = shutdown.cancelled() => {}
+                    () = tokio::time::sleep(pause) => {}
+                }
+            }
+            None => message.double_ack().await.map_err(broker("acknowledge"))?,
+        }
+        stats.count(&decision);
+    }
+    Ok(got)
+}
+
+/// Publishes through JetStream and waits until a stream stored the message. A PubAck
+/// that says `duplicate` is an error: the stream dropped this publish as a copy of a
+/// message with the same `Nats-Msg-Id` inside its duplicate window, so this publish
+/// stored nothing.
 pub async fn publish_stored(
     js: &Context,
     subject: &str,
     headers: HeaderMap,
     body: Vec<u8>,
 ) -> Result<(), ConsumerError> {
+    let ack = publish_acked(js, subject, headers, body).await?;
+    if ack.duplicate {
+        return Err(dropped_as_duplicate(subject, &ack));
+    }
+    Ok(())
+}
+
+async fn publish_acked(
+    js: &Context,
+    subject: &str,
+    headers: HeaderMap,
+    body: Vec<u8>,
+) -> Result<jetstream::publish::PublishAck, ConsumerError> {
     js.publish_with_headers(subject.to_owned(), headers, body.into())
         .await
         .map_err(broker(format!("publish to {subject:?}")))?
         .await
-        .map_err(broker(format!("publish to {subject:?}")))?;
-    Ok(())
+        .map_err(broker(format!("publish to {subject:?}")))
+}
+
+fn dropped_as_duplicate(subject: &str, ack: &jetstream::publish::PublishAck) -> ConsumerError {
+    ConsumerError::broker(
+        "nats",
+        format!("publish to {subject:?}"),
+        format!(
+            "stream {:?} dropped the message as a duplicate of its message {} (the same \
+             Nats-Msg-Id inside the duplicate window): this publish stored nothing",
+            ack.stream, ack.sequence
+        ),
+    )
+}
+
+/// Publishes a dead letter with its own message ID `id` and waits until a stream stored
+/// it. A PubAck that says `duplicate` stored nothing: it counts only when the stream
+/// still holds the earlier copy of this very dead letter (the same ID on the same
+/// subject, at the sequence the PubAck names), which is the case of a message
+/// dead-lettered before, whose acknowledgement was lost, redelivered and dead-lettered
+/// again. Anything else is an error, and the original must not be acknowledged.
+async fn publish_dead_letter(
+    js: &Context,
+    subject: &str,
+    id: &str,
+    headers: HeaderMap,
+    body: Vec<u8>,
+) -> Result<(), ConsumerError> {
+    let ack = publish_acked(js, subject, headers, body).await?;
+    if !ack.duplicate {
+        return Ok(());
+    }
+    let stored = async {
+        let stream = js.get_stream(&ack.stream).await.ok()?;
+        let earlier = stream.get_raw_message(ack.sequence).await.ok()?;
+        let same_id = earlier
+            .headers
+            .get(MSG_ID_HEADER)
+            .is_some_and(|v| v.as_str() == id);
+        Some(same_id && earlier.subject.as_str() == subject)
+    }
+    .await;
+    if stored == Some(true) {
+        Ok(())
+    } else {
+        Err(dropped_as_duplicate(subject, &ack))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn subjects_match_filters() {
+        assert!(subject_matches("ORDERS.>", "ORDERS.dead-letter"));
+        assert!(subject_matches("ORDERS.*", "ORDERS.dead-letter"));
+        assert!(subject_matches("ORDERS.dead-letter", "ORDERS.dead-letter"));
+        assert!(subject_matches(">", "ORDERS.dead-letter"));
+        assert!(!subject_matches("ORDERS.in", "ORDERS.dead-letter"));
+        assert!(!subject_matches("ORDERS.*", "ORDERS.dead-letter.x"));
+        assert!(!subject_matches("ORDERS.>", "ORDERS"));
+        assert!(!subject_matches("ORDERS.in.>", "ORDERS.dead-letter"));
+    }
 
     #[test]
     fn names_are_checked() {

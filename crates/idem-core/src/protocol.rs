@@ -620,6 +620,15 @@ impl<B: Backend> Idem<B> {
         }
     }
 
+    /// The kind of the first database error in `error`'s chain of sources (itself
+    /// included): an [`DbError`], or a driver error the backend classifies by its code.
+    /// `None` when the chain holds none. This is how idem decides whether an effect's
+    /// error is retried; consumers use it to tell a lost connection from a final
+    /// refusal.
+    pub fn classify_effect_error(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
+        self.classify_chain(error)
+    }
+
     fn classify_chain(&self, e: &(dyn StdError + 'static)) -> Option<ErrorKind> {
         find_in_chain(e, |err| match err.downcast_ref::<DbError>() {
             Some(db) => Some(db.kind()),

@@ -37,8 +37,12 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 /// - **Confirmation**: the channel is in confirm mode; a publish succeeds only once the
 ///   broker acknowledged it. A negative acknowledgement, or a message returned as
 ///   unroutable (publishes are `mandatory`), is [`PublishError::Refused`]; no
-///   confirmation within the timeout ([`DEFAULT_CONFIRM_TIMEOUT`]) is
-///   [`PublishError::Broker`].
+///   confirmation within the timeout ([`DEFAULT_CONFIRM_TIMEOUT`],
+///   [`AmqpPublisher::with_confirm_timeout`]) is [`PublishError::Broker`] (the message
+///   may or may not be stored: the relay publishes it again, with the same message ID).
+///   The same timeout bounds connecting, the queue declaration before a destination's
+///   first publish, and [`AmqpPublisher::close`], so a broker that accepts connections
+///   and never answers fails each call instead of holding it.
 pub struct AmqpPublisher {
     target: String,
     connection: Connection,
@@ -65,20 +69,54 @@ fn broker(action: impl Into<String>) -> impl FnOnce(lapin::Error) -> PublishErro
 
 impl AmqpPublisher {
     /// Connects to `url` (`amqp://user:pass@host:5672/vhost`) and opens a channel in
-    /// confirm mode; messages go to the default exchange.
+    /// confirm mode; messages go to the default exchange. A broker that does not
+    /// complete the handshake within [`DEFAULT_CONFIRM_TIMEOUT`] is
+    /// [`PublishError::Connect`].
     pub async fn connect(url: &str) -> Result<Self, PublishError> {
+        Self::connect_within(url, DEFAULT_CONFIRM_TIMEOUT).await
+    }
+
+    /// [`AmqpPublisher::connect`] with `timeout` for the handshake and, afterwards, for
+    /// each confirmation ([`AmqpPublisher::with_confirm_timeout`]).
+    pub async fn connect_within(url: &str, timeout: Duration) -> Result<Self, PublishError> {
         let target = redact(url);
-        let connection = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .map_err(|e| PublishError::Connect {
+        let connect_error =
+            |source: Box<dyn std::error::Error + Send + Sync>| PublishError::Connect {
                 broker: BROKER,
                 target: target.clone(),
-                source: e.into(),
-            })?;
-        let channel = match open_confirmed(&connection).await {
+                source,
+            };
+        let connection = match tokio::time::timeout(
+            timeout,
+            Connection::connect(url, ConnectionProperties::default()),
+        )
+        .await
+        {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return Err(connect_error(e.into())),
+            Err(_) => {
+                return Err(connect_error(
+                    format!("no answer from the broker within {timeout:?}").into(),
+                ));
+            }
+        };
+        let opened = tokio::time::timeout(timeout, open_confirmed(&connection))
+            .await
+            .unwrap_or_else(|_| {
+                Err(PublishError::broker(
+                    BROKER,
+                    "open a channel in confirm mode",
+                    format!("no answer from the broker within {timeout:?}"),
+                ))
+            });
+        let channel = match opened {
             Ok(ch) => ch,
             Err(e) => {
-                let _ = connection.close(200, "idem relay stopped".into()).await;
+                let _ = tokio::time::timeout(
+                    timeout,
+                    connection.close(200, "idem relay stopped".into()),
+                )
+                .await;
                 return Err(e);
             }
         };
@@ -88,7 +126,7 @@ impl AmqpPublisher {
             channel,
             exchange: None,
             declared: Mutex::new(HashSet::new()),
-            confirm_timeout: DEFAULT_CONFIRM_TIMEOUT,
+            confirm_timeout: timeout,
         })
     }
 
@@ -139,12 +177,26 @@ impl AmqpPublisher {
         self.exchange.as_deref()
     }
 
-    /// Closes the connection (every publish has been confirmed already).
+    /// Closes the connection (every publish has been confirmed already), waiting at most
+    /// the confirmation timeout for the broker's answer (a broker that stopped answering
+    /// does not hold the caller).
     pub async fn close(self) -> Result<(), PublishError> {
-        self.connection
-            .close(200, "idem relay stopped".into())
-            .await
-            .map_err(broker("close the connection"))
+        match tokio::time::timeout(
+            self.confirm_timeout,
+            self.connection.close(200, "idem relay stopped".into()),
+        )
+        .await
+        {
+            Ok(closed) => closed.map_err(broker("close the connection")),
+            Err(_) => Err(PublishError::broker(
+                BROKER,
+                "close the connection",
+                format!(
+                    "no answer from the broker within {:?}",
+                    self.confirm_timeout
+                ),
+            )),
+        }
     }
 
     fn is_declared(&self, queue: &str) -> bool {
@@ -210,7 +262,19 @@ impl AmqpPublisher {
     }
 
     async fn publish_row(&self, row: &OutboxRow) -> Result<(), PublishError> {
-        self.ensure_queue(&row.destination).await?;
+        // A broker that stopped answering must not hold the relay in a declaration.
+        tokio::time::timeout(self.confirm_timeout, self.ensure_queue(&row.destination))
+            .await
+            .map_err(|_| {
+                PublishError::broker(
+                    BROKER,
+                    format!("find or declare queue {:?}", row.destination),
+                    format!(
+                        "no answer from the broker within {:?}",
+                        self.confirm_timeout
+                    ),
+                )
+            })??;
         let props = BasicProperties::default()
             .with_message_id(row.message_id.as_str().into())
             .with_delivery_mode(2)
