@@ -68,8 +68,8 @@ use idem::consumer::{
 };
 use idem::core::runs::OutboxRow;
 use idem::{
-    BoxFuture, Idem, Key, Operation, OutboxStore, Outgoing, Principal, Publisher, Request, Scope,
-    Subscriber,
+    BoxFuture, Idem, Key, Operation, OutboxStore, Outgoing, Principal, Publisher, RelayOptions,
+    Request, Scope, Subscriber,
 };
 use idem_conformance::mysql::MysqlBank;
 use idem_conformance::postgres::PgBank;
@@ -1708,6 +1708,13 @@ async fn relay_never_confirms<K: Engine>(
         )
     })?;
     // Resumed: later passes publish everything (the unconfirmed message perhaps twice).
+    // Short retry pauses: the unconfirmed message's next attempt is due within a fraction
+    // of a second instead of the production default of a second doubling per failure.
+    let options = RelayOptions {
+        base_delay: Duration::from_millis(50),
+        max_delay: Duration::from_millis(200),
+        ..RelayOptions::with_batch(100)
+    };
     let mut publisher = publisher;
     let mut passes = 0;
     while bank.unsent().await? > 0 {
@@ -1715,8 +1722,13 @@ async fn relay_never_confirms<K: Engine>(
         check(passes <= 200, || {
             "the relay never caught up (hang guard)".into()
         })?;
-        match tokio::time::timeout(GUARD, idem.relay(&publisher, 100)).await {
-            Ok(Ok(r)) if r.failed.is_empty() => {}
+        match tokio::time::timeout(GUARD, idem.relay_with(&publisher, &options)).await {
+            Ok(Ok(r)) if r.failed.is_empty() => {
+                if r.published == 0 {
+                    // Nothing due yet (a retry pause is running): wait for it.
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
             _ => {
                 // As `idem relay` does: a fresh connection after a failure.
                 tokio::time::sleep(Duration::from_millis(200)).await;
