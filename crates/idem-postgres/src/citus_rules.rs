@@ -24,6 +24,11 @@
 //!    query reading a distributed idem table needs an equality on every primary-key
 //!    column in its `WHERE` (one shard): "could not run distributed query with FOR
 //!    UPDATE/SHARE commands". The outbox, a Citus local table, is one shard.
+//! 5. An `INSERT … ON CONFLICT` into an idem table takes `VALUES`, not a `SELECT`: Citus
+//!    runs `INSERT … SELECT` through the coordinator and reports the rows it sent, not
+//!    the rows inserted, so `ON CONFLICT DO NOTHING` on a taken key reads as a claim won
+//!    (seen live on 13.2.2: `INSERT 0 1` twice for one key; a redelivered message ran its
+//!    effect again).
 //!
 //! The function lists are PostgreSQL 15.20's catalog (the query heads each file). What
 //! the scan cannot see: the types of casts (`created_at::date` is STABLE) and functions
@@ -655,6 +660,16 @@ pub(crate) fn violations(sql: &str) -> Vec<String> {
             if !is_idem_table(&table) {
                 continue;
             }
+            if verb == "an INSERT"
+                && parts.iter().any(|(c, _)| *c == "conflict")
+                && !parts.iter().any(|(c, _)| *c == "values")
+            {
+                // Rule 5.
+                found.push(format!(
+                    "an INSERT … ON CONFLICT into {table} from a SELECT: Citus counts the rows \
+                     it sent, not the rows inserted"
+                ));
+            }
             if verb == "an INSERT" {
                 // Rule 2: WHERE clauses at any depth, the conflict clauses, RETURNING.
                 let mut inner = Vec::new();
@@ -715,11 +730,13 @@ mod tests {
 
     /// Statements that still break the rules, each fixed by the claim's rewrite waiting
     /// to be merged (the request and message statements compare with
-    /// `statement_timestamp()`). Empty this list as it lands: the test fails both when a
+    /// `statement_timestamp()`, and claims insert `VALUES`). Empty this list as it lands: the test fails both when a
     /// listed statement passes and when any other statement breaks a rule.
     const AWAITING_MERGE: &[&str] = &[
+        "insert_request",
         "replace_expired_request",
         "complete_request",
+        "insert_message",
         "replace_expired_message",
     ];
 
@@ -870,6 +887,24 @@ mod tests {
         for sql in accepted {
             assert_eq!(violations(sql), Vec::<String>::new(), "{sql}");
         }
+    }
+
+    #[test]
+    fn claims_insert_values_not_a_select() {
+        let old = "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) \
+                   SELECT $1, $2, $3, now.t, now.t + make_interval(secs => $4) FROM (SELECT clock_timestamp() AS t) AS now \
+                   ON CONFLICT (subscriber, message_id) DO NOTHING";
+        assert_eq!(
+            violations(old),
+            [
+                "an INSERT … ON CONFLICT into idem_processed_message from a SELECT: Citus counts \
+              the rows it sent, not the rows inserted"
+            ]
+        );
+        let values = "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) \
+                      VALUES ($1, $2, $3, statement_timestamp(), statement_timestamp() + make_interval(secs => $4)) \
+                      ON CONFLICT (subscriber, message_id) DO NOTHING";
+        assert_eq!(violations(values), Vec::<String>::new());
     }
 
     #[test]
