@@ -27,7 +27,7 @@ use idem::postgres::sqlx::postgres::PgConnectOptions;
 use idem::postgres::sqlx::{self, Row};
 use idem::postgres::{PgBackend, Placed, PurgeStyle, db_error};
 use idem_conformance::harness::{namespace, run_case};
-use idem_conformance::postgres::{CitusBank, PgBank};
+use idem_conformance::postgres::CitusBank;
 use idem_conformance::{Balance, Bank, BankError, Target, cases};
 use libtest_mimic::{Arguments, Failed, Trial};
 use serde_json::json;
@@ -465,9 +465,10 @@ async fn distribute_reports_each_table(url: String) -> Res {
 /// later ones get higher ids (Citus 13.2 restarts the identity sequence at 1).
 async fn distribute_keeps_outbox_ids(url: String) -> Res {
     let ns = namespace("outboxids");
-    let bank = PgBank::connect(&url, Some(&ns)).await.map_err(err)?;
+    // Connected, migrated, not yet distributed.
+    let bank = CitusBank::connect(&url, Some(&ns)).await.map_err(err)?;
     let result = async {
-        bank.setup().await.map_err(err)?;
+        bank.backend().migrate().await.map_err(err)?;
         let pool = bank.backend().pool().clone();
         let enqueue = |m: &'static str| {
             sqlx::query(

@@ -419,6 +419,32 @@ impl Bank for CitusBank {
     }
 
     async fn close(self) -> Result<(), DbError> {
-        self.0.close().await
+        let PgBank {
+            backend,
+            private_schema,
+        } = self.0;
+        backend.pool().close().await;
+        let Some((admin, ns)) = private_schema else {
+            return Ok(());
+        };
+        // Concurrent `DROP SCHEMA`s whose tables share Citus's default co-location group
+        // can deadlock on the coordinator (40P01, seen with two cases ending at once):
+        // the loser drops again.
+        let mut attempt = 0;
+        let dropped = loop {
+            attempt += 1;
+            let result = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {ns} CASCADE")))
+                .execute(&admin)
+                .await
+                .map_err(db_error);
+            match result {
+                Err(e) if attempt < 10 && e.kind() == ErrorKind::Deadlock => {
+                    tokio::time::sleep(std::time::Duration::from_millis(50 * attempt)).await;
+                }
+                other => break other.map(drop),
+            }
+        };
+        admin.close().await;
+        dropped
     }
 }
