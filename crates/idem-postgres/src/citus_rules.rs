@@ -30,6 +30,10 @@
 //!    (seen live on 13.2.2: `INSERT 0 1` twice for one key; a redelivered message ran its
 //!    effect again).
 //!
+//! Migrations from 0004 on may run on tables Citus already manages: they follow the same
+//! rules, and an `ADD COLUMN` carries no constraint of its own (Citus wants constraints
+//! named: "all constraints in Citus must have explicit names").
+//!
 //! The function lists are PostgreSQL 15.20's catalog (the query heads each file). What
 //! the scan cannot see: the types of casts (`created_at::date` is STABLE) and functions
 //! outside `pg_catalog`.
@@ -642,6 +646,40 @@ fn row_lock_keyed(level: &[Node], found: &mut Vec<String>) {
     }
 }
 
+/// What Citus refuses in a migration applied after [`crate::PgBackend::distribute`]: the
+/// statement rules, and an `ALTER TABLE … ADD COLUMN` carrying its own constraint
+/// (Citus: "all constraints in Citus must have explicit names"; add the column, then
+/// `ADD CONSTRAINT name CHECK (…)`).
+pub(crate) fn migration_violations(sql: &str) -> Vec<String> {
+    let mut found = violations(sql);
+    for statement in statements(sql) {
+        if !(word_at(&statement, 0) == Some("alter") && word_at(&statement, 1) == Some("table")) {
+            continue;
+        }
+        for item in statement.split(|n| sym(n) == Some(",")) {
+            // `ADD [COLUMN] …`, not `ADD CONSTRAINT name …`.
+            let adds_column = item.iter().any(|n| word(n) == Some("add"))
+                && !item.iter().any(|n| word(n) == Some("constraint"));
+            let inline = item.iter().find_map(|n| match word(n) {
+                Some(w @ ("check" | "unique" | "primary" | "references")) => Some(w),
+                _ => None,
+            });
+            if let (true, Some(w)) = (adds_column, inline) {
+                found.push(format!(
+                    "ALTER TABLE … ADD COLUMN with an unnamed {} constraint: Citus needs it \
+                     added on its own, named (ADD CONSTRAINT name …)",
+                    w.to_uppercase()
+                ));
+            }
+        }
+    }
+    found
+}
+
+fn word_at(nodes: &[Node], i: usize) -> Option<&str> {
+    nodes.get(i).and_then(word)
+}
+
 /// Everything in `sql` (one or more statements) that Citus would refuse, as sentences.
 pub(crate) fn violations(sql: &str) -> Vec<String> {
     let cat = Catalog::load();
@@ -905,6 +943,28 @@ mod tests {
                       VALUES ($1, $2, $3, statement_timestamp(), statement_timestamp() + make_interval(secs => $4)) \
                       ON CONFLICT (subscriber, message_id) DO NOTHING";
         assert_eq!(violations(values), Vec::<String>::new());
+    }
+
+    /// Migrations 1 to 3 run before `distribute` can (it needs their tables); every later
+    /// one may run on tables Citus already manages.
+    #[test]
+    fn migrations_after_distribution_follow_the_citus_rules() {
+        for m in crate::MIGRATIONS.iter().filter(|m| m.version > 3) {
+            assert_eq!(
+                super::migration_violations(m.sql),
+                Vec::<String>::new(),
+                "{}",
+                m.name
+            );
+        }
+        let unnamed = "ALTER TABLE idem_outbox\n    ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),\n    \
+                       ADD COLUMN IF NOT EXISTS next_attempt_at timestamptz;";
+        assert_eq!(super::migration_violations(unnamed).len(), 1);
+        let named = "ALTER TABLE idem_outbox ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0, \
+                     ADD COLUMN next_attempt_at timestamptz; \
+                     ALTER TABLE idem_outbox ADD CONSTRAINT idem_outbox_attempts_check CHECK (attempts >= 0); \
+                     CREATE INDEX IF NOT EXISTS idem_outbox_due ON idem_outbox (id) WHERE sent_at IS NULL";
+        assert_eq!(super::migration_violations(named), Vec::<String>::new());
     }
 
     #[test]
