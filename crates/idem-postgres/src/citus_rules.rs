@@ -30,6 +30,12 @@
 //!    (seen live on 13.2.2: `INSERT 0 1` twice for one key; a redelivered message ran its
 //!    effect again).
 //!
+//! 6. `lock_timeout` is set with `SET LOCAL`, never `set_config('lock_timeout', …)`: Citus
+//!    passes a `SET LOCAL` on to the connections the transaction opens on workers (with
+//!    `citus.propagate_set_commands = 'local'`), a `set_config` call never, so a claim
+//!    waiting for a row on a shard would wait past its bound (seen live: a 500 ms bound,
+//!    a 4.1 s wait for the holder).
+//!
 //! Migrations from 0004 on may run on tables Citus already manages: they follow the same
 //! rules, and an `ADD COLUMN` carries no constraint of its own (Citus wants constraints
 //! named: "all constraints in Citus must have explicit names").
@@ -150,7 +156,8 @@ enum Tok {
     Word(String),
     Param,
     Num,
-    Str,
+    /// A string literal's text (escapes left as written).
+    Str(String),
     /// An operator, `::`, `.` or `,`.
     Sym(String),
 }
@@ -199,18 +206,21 @@ fn lex(sql: &str) -> Vec<Tok> {
                 out.pop();
             }
             i += 1;
+            let mut text = String::new();
             while i < chars.len() {
                 let doubled = chars[i] == '\'' && at(i + 1) == '\'';
                 if (escapes && chars[i] == '\\') || doubled {
+                    text.push(at(i + 1));
                     i += 2;
                 } else if chars[i] == '\'' {
                     i += 1;
                     break;
                 } else {
+                    text.push(chars[i]);
                     i += 1;
                 }
             }
-            out.push(Tok::Str);
+            out.push(Tok::Str(text));
         } else if c == '"' {
             let mut name = String::new();
             i += 1;
@@ -245,8 +255,9 @@ fn lex(sql: &str) -> Vec<Tok> {
                 while k + tag.len() <= chars.len() && &chars[k..k + tag.len()] != tag {
                     k += 1;
                 }
+                let text = chars[(j + 1).min(k)..k.min(chars.len())].iter().collect();
                 i = (k + tag.len()).min(chars.len());
-                out.push(Tok::Str);
+                out.push(Tok::Str(text));
             } else {
                 out.push(Tok::Sym("$".into()));
                 i += 1;
@@ -399,7 +410,7 @@ fn has_column(nodes: &[Node]) -> bool {
         Node::Tok(Tok::Word(w)) => {
             let called = matches!(nodes.get(i + 1), Some(Node::Group(_)));
             let typed = i > 0 && sym(&nodes[i - 1]) == Some("::");
-            let literal_type = matches!(nodes.get(i + 1), Some(Node::Tok(Tok::Str)));
+            let literal_type = matches!(nodes.get(i + 1), Some(Node::Tok(Tok::Str(_))));
             let named_argument = nodes.get(i + 1).and_then(sym) == Some("=>");
             !called
                 && !typed
@@ -676,6 +687,18 @@ pub(crate) fn migration_violations(sql: &str) -> Vec<String> {
     found
 }
 
+/// Whether `nodes` call `set_config` on the setting `name`.
+fn sets_with_set_config(nodes: &[Node], name: &str) -> bool {
+    nodes.iter().enumerate().any(|(i, node)| match node {
+        Node::Group(inner) => {
+            let called = i > 0 && word(&nodes[i - 1]) == Some("set_config");
+            (called && matches!(inner.first(), Some(Node::Tok(Tok::Str(s))) if s == name))
+                || sets_with_set_config(inner, name)
+        }
+        _ => false,
+    })
+}
+
 fn word_at(nodes: &[Node], i: usize) -> Option<&str> {
     nodes.get(i).and_then(word)
 }
@@ -685,6 +708,14 @@ pub(crate) fn violations(sql: &str) -> Vec<String> {
     let cat = Catalog::load();
     let mut found = Vec::new();
     for statement in statements(sql) {
+        if sets_with_set_config(&statement, "lock_timeout") {
+            // Rule 6.
+            found.push(
+                "lock_timeout set with set_config(): Citus does not pass it on to the \
+                 workers; SET LOCAL (with citus.propagate_set_commands = 'local') it does"
+                    .into(),
+            );
+        }
         let mut all = Vec::new();
         levels(&statement, &mut all);
         for level in all {
@@ -778,6 +809,16 @@ mod tests {
         "replace_expired_message",
     ];
 
+    /// Statements that break a rule on `main` and on the branches: the lock bounds of the
+    /// claim and of run transactions (rule 6). For the lead to fix at the merge (`SET
+    /// LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '…ms'`,
+    /// checked live with the claim's wait bound); then empty this list.
+    const NOT_FIXED_YET: &[&str] = &[
+        "bound_lock_timeout",
+        "set_lock_timeout",
+        "restore_lock_timeout",
+    ];
+
     /// The purges of `PurgeStyle::SkipLocked` on the distributed tables: Citus refuses
     /// their row locks by design (SQLSTATE 0A000), and the backend then sends the
     /// `PurgeStyle::Distributed` statements instead.
@@ -797,7 +838,9 @@ mod tests {
         let mut broken = Vec::new();
         let mut report = String::new();
         for (name, sql) in every_statement() {
-            if REFUSED_BY_DESIGN.contains(&name) {
+            if REFUSED_BY_DESIGN.contains(&name) || NOT_FIXED_YET.contains(&name) {
+                let found = violations(sql);
+                assert!(!found.is_empty(), "{name} passes now: take it off its list");
                 continue;
             }
             let found = violations(sql);
@@ -968,8 +1011,33 @@ mod tests {
     }
 
     #[test]
+    fn lock_timeout_is_set_so_that_workers_get_it() {
+        for (name, sql) in every_statement() {
+            if NOT_FIXED_YET.contains(&name) {
+                let found = violations(sql);
+                assert!(
+                    found.iter().any(|f| f.starts_with("lock_timeout")),
+                    "{name}: {found:?}"
+                );
+            }
+        }
+        assert_eq!(
+            violations(
+                "SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '500ms'"
+            ),
+            Vec::<String>::new()
+        );
+        assert_eq!(
+            violations(
+                "SELECT set_config('statement_timeout', '1s', true), 'set_config(lock_timeout)'"
+            ),
+            Vec::<String>::new()
+        );
+    }
+
+    #[test]
     fn several_statements_in_one_string_are_each_checked() {
-        let sql = "BEGIN; SELECT set_config('lock_timeout', '500ms', true); \
+        let sql = "BEGIN; SELECT set_config('statement_timeout', '5s', true); \
                    UPDATE idem_request_result SET response = $1 WHERE expires_at > clock_timestamp(); COMMIT";
         assert_eq!(violations(sql).len(), 1);
     }
