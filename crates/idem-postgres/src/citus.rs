@@ -24,7 +24,8 @@
 //! - `idem_schema_migrations` stays a plain table on the coordinator: run `idem migrate`
 //!   there.
 //!
-//! Each step is checked first, so running it again reports what is already in place.
+//! Every table is checked before any changes, so a table placed otherwise stops it with
+//! nothing changed, and running it again reports what is already in place.
 
 use std::fmt;
 
@@ -182,7 +183,8 @@ fn configuration(message: String) -> DbError {
     DbError::new("postgres", ErrorKind::Configuration, message)
 }
 
-/// How Citus places a table now: `(method, replication model, column)`, or `None`.
+/// How Citus places a table now: `(method, replication model, column, co-location
+/// group)`, or `None` for a table Citus does not manage.
 type Current = Option<(String, String, Option<String>, i32)>;
 
 async fn current(conn: &mut PgConnection, table: &str) -> Result<Current, DbError> {
@@ -287,15 +289,17 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
         .execute(&mut *conn)
         .await
         .map_err(db_error)?;
-    let mut placed = Vec::new();
+    // Everything is checked before anything changes.
+    let mut plan = Vec::new();
     let mut anchor_group = None;
     for &(table, column, _) in DISTRIBUTED {
         let name = regclass(conn, table).await?;
-        let now = current(conn, &name).await?;
-        let already = match &now {
+        let already = match current(conn, &name).await? {
             None => false,
             Some((method, _, Some(col), group)) if method == "h" && col == column => {
-                if table != ANCHOR && anchor_group.is_some_and(|g| g != *group) {
+                if table == ANCHOR {
+                    anchor_group = Some(group);
+                } else if anchor_group != Some(group) {
                     return Err(configuration(format!(
                         "{table} is distributed by {column} but not co-located with \
                          {ANCHOR}: undistribute it (undistribute_table) and run this again"
@@ -307,10 +311,28 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
                 return Err(configuration(format!(
                     "{table} is already {}, but idem needs it distributed by {column}: \
                      undistribute it (undistribute_table) and run this again",
-                    described(other)
+                    described(&other)
                 )));
             }
         };
+        plan.push((table, column, name, already));
+    }
+    let outbox = regclass(conn, COORDINATOR_LOCAL).await?;
+    let outbox_now = match current(conn, &outbox).await? {
+        None => None,
+        Some((method, model, _, _)) if method == "n" && model == "t" => Some(Placed::Reference),
+        Some((method, _, _, _)) if method == "n" => Some(Placed::CoordinatorLocal),
+        other => {
+            return Err(configuration(format!(
+                "{COORDINATOR_LOCAL} is already {}: the relay's FOR UPDATE SKIP LOCKED \
+                 cannot run over shards; undistribute it (undistribute_table) and run this \
+                 again",
+                described(&other)
+            )));
+        }
+    };
+    let mut placed = Vec::new();
+    for (table, column, name, already) in plan {
         if !already {
             let colocate_with = if table == ANCHOR {
                 "default".to_owned()
@@ -325,32 +347,18 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
                 .await
                 .map_err(db_error)?;
         }
-        if table == ANCHOR {
-            anchor_group = current(conn, &name).await?.map(|c| c.3);
-        }
         placed.push(Placement {
             table,
             placed: Placed::Distributed { column },
             already,
         });
     }
-    let outbox = regclass(conn, COORDINATOR_LOCAL).await?;
-    let now = current(conn, &outbox).await?;
-    let (kind, already) = match &now {
+    let (kind, already) = match outbox_now {
         None => {
             add_local_keeping_ids(conn, &outbox).await?;
             (Placed::CoordinatorLocal, false)
         }
-        Some((method, model, _, _)) if method == "n" && model == "t" => (Placed::Reference, true),
-        Some((method, _, _, _)) if method == "n" => (Placed::CoordinatorLocal, true),
-        other => {
-            return Err(configuration(format!(
-                "{COORDINATOR_LOCAL} is already {}: the relay's FOR UPDATE SKIP LOCKED \
-                 cannot run over shards; undistribute it (undistribute_table) and run this \
-                 again",
-                described(other)
-            )));
-        }
+        Some(kind) => (kind, true),
     };
     placed.push(Placement {
         table: COORDINATOR_LOCAL,
