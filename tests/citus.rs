@@ -102,7 +102,7 @@ async fn count(bank: &CitusBank, sql: &str) -> Result<i64, String> {
 
 const PRINCIPALS: usize = 8;
 const KEYS_PER_PRINCIPAL: usize = 8;
-const CALLS_PER_KEY: usize = 8;
+const CALLS_PER_KEY: usize = 16;
 const POOLS: usize = 3;
 const START_BALANCE: i64 = 1_000_000;
 
