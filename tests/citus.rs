@@ -11,6 +11,7 @@
 //! - `citus::purge_*`: the distributed purge over shards, the row-lock purge switching to
 //!   it, and a key taken over while a purge runs.
 //! - `citus::distribute_*`: the placement report, and outbox ids kept across it.
+//! - `citus::later_migrations_run_on_distributed_tables`: the upgrade path.
 
 #![allow(clippy::unwrap_used)]
 
@@ -521,6 +522,57 @@ async fn distribute_keeps_outbox_ids(url: String) -> Res {
     result
 }
 
+/// An install distributed at migration 3 takes the later migrations through Citus (the
+/// upgrade path: `idem migrate` of a newer idem on a distributed schema).
+async fn later_migrations_run_on_distributed_tables(url: String) -> Res {
+    let ns = namespace("upgrade");
+    let bank = CitusBank::connect(&url, Some(&ns)).await.map_err(err)?;
+    let result = async {
+        let pool = bank.backend().pool().clone();
+        sqlx::raw_sql(
+            "CREATE TABLE idem_schema_migrations (version integer PRIMARY KEY, name text NOT NULL, \
+             applied_at timestamptz NOT NULL DEFAULT clock_timestamp())",
+        )
+        .execute(&pool)
+        .await
+        .map_err(err)?;
+        for m in idem::postgres::MIGRATIONS.iter().filter(|m| m.version <= 3) {
+            sqlx::raw_sql(m.sql).execute(&pool).await.map_err(err)?;
+            sqlx::query("INSERT INTO idem_schema_migrations (version, name) VALUES ($1, $2)")
+                .bind(i32::try_from(m.version).unwrap())
+                .bind(m.name)
+                .execute(&pool)
+                .await
+                .map_err(err)?;
+        }
+        bank.backend().distribute().await.map_err(err)?;
+        let later: Vec<u32> = idem::postgres::MIGRATIONS
+            .iter()
+            .map(|m| m.version)
+            .filter(|v| *v > 3)
+            .collect();
+        let applied = bank
+            .backend()
+            .migrate()
+            .await
+            .map_err(|e| format!("migrations after distribution: {e}"))?;
+        ensure(applied == later, || format!("applied {applied:?}, expected {later:?}"))?;
+        let citus_tables: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid IN ('idem_request_result'::regclass, \
+             'idem_run'::regclass, 'idem_processed_message'::regclass, 'idem_outbox'::regclass)",
+        )
+        .fetch_one(&pool)
+        .await
+        .map_err(err)?;
+        ensure(citus_tables == 4, || format!("{citus_tables} idem tables managed by Citus"))?;
+        println!("migrations {later:?} applied after distribution");
+        Ok(())
+    }
+    .await;
+    bank.close().await.map_err(err)?;
+    result
+}
+
 // ---------------------------------------------------------------------------------------
 
 type Extra = fn(String) -> idem::core::BoxFuture<'static, Res>;
@@ -548,6 +600,9 @@ fn main() -> ExitCode {
         }),
         ("distribute_keeps_outbox_ids", |u| {
             Box::pin(distribute_keeps_outbox_ids(u))
+        }),
+        ("later_migrations_run_on_distributed_tables", |u| {
+            Box::pin(later_migrations_run_on_distributed_tables(u))
         }),
     ];
     let mut trials = Vec::new();

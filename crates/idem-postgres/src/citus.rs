@@ -402,9 +402,118 @@ async fn add_local_keeping_ids(conn: &mut PgConnection, outbox: &str) -> Result<
     Ok(())
 }
 
+/// The statements of a migration file, each without its `;`: split at semicolons outside
+/// string literals (`'…'`, `E'…'`), quoted identifiers, dollar-quoted bodies and
+/// comments. Pieces holding nothing but whitespace and comments are left out.
+pub(crate) fn statements(sql: &'static str) -> Vec<&'static str> {
+    let bytes = sql.as_bytes();
+    let at = |i: usize| bytes.get(i).copied().unwrap_or(0);
+    let mut out = Vec::new();
+    let (mut start, mut i, mut code) = (0, 0, false);
+    while i < bytes.len() {
+        match bytes[i] {
+            b'-' if at(i + 1) == b'-' => {
+                while i < bytes.len() && bytes[i] != b'\n' {
+                    i += 1;
+                }
+                continue;
+            }
+            b'/' if at(i + 1) == b'*' => {
+                let mut depth = 0;
+                while i < bytes.len() {
+                    if bytes[i] == b'/' && at(i + 1) == b'*' {
+                        depth += 1;
+                        i += 2;
+                    } else if bytes[i] == b'*' && at(i + 1) == b'/' {
+                        depth -= 1;
+                        i += 2;
+                        if depth == 0 {
+                            break;
+                        }
+                    } else {
+                        i += 1;
+                    }
+                }
+                continue;
+            }
+            quote @ (b'\'' | b'"') => {
+                let escapes = quote == b'\'' && i > 0 && matches!(bytes[i - 1], b'e' | b'E');
+                i += 1;
+                while i < bytes.len() {
+                    let doubled = bytes[i] == quote && at(i + 1) == quote;
+                    if (escapes && bytes[i] == b'\\') || doubled {
+                        i += 2;
+                    } else if bytes[i] == quote {
+                        break;
+                    } else {
+                        i += 1;
+                    }
+                }
+            }
+            b'$' => {
+                let mut j = i + 1;
+                while at(j).is_ascii_alphanumeric() || at(j) == b'_' {
+                    j += 1;
+                }
+                if at(j) == b'$' && !at(i + 1).is_ascii_digit() {
+                    let tag = &sql[i..=j];
+                    i = sql[j + 1..]
+                        .find(tag)
+                        .map_or(bytes.len(), |k| j + 1 + k + tag.len() - 1);
+                }
+            }
+            b';' => {
+                if code {
+                    out.push(sql[start..i].trim());
+                }
+                (start, code) = (i + 1, false);
+                i += 1;
+                continue;
+            }
+            _ => {}
+        }
+        code |= !bytes.get(i).is_some_and(u8::is_ascii_whitespace);
+        i += 1;
+    }
+    if code {
+        out.push(sql[start..].trim());
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::{Placed, Placement};
+
+    #[test]
+    fn migrations_split_into_statements() {
+        let sql = "-- a comment; still a comment\nCREATE TABLE t (a text DEFAULT 'x;y'); \
+                   /* a ; comment */ ALTER TABLE t ADD COLUMN \"b;c\" int;\n\
+                   DO $body$ BEGIN PERFORM 1; END $body$;\n\
+                   SELECT E'it\\'s;', $$;$$ -- trailing ; comment\n";
+        assert_eq!(
+            super::statements(sql),
+            [
+                "-- a comment; still a comment\nCREATE TABLE t (a text DEFAULT 'x;y')",
+                "/* a ; comment */ ALTER TABLE t ADD COLUMN \"b;c\" int",
+                "DO $body$ BEGIN PERFORM 1; END $body$",
+                "SELECT E'it\\'s;', $$;$$ -- trailing ; comment",
+            ]
+        );
+        for m in crate::MIGRATIONS {
+            let parts = super::statements(m.sql);
+            assert!(parts.len() > 1, "{}", m.name);
+            assert!(
+                parts.iter().all(|p| !p.is_empty() && !p.ends_with(';')),
+                "{}",
+                m.name
+            );
+        }
+        assert_eq!(
+            super::statements("  -- nothing\n/* here */ ;\n"),
+            Vec::<&str>::new()
+        );
+    }
 
     #[test]
     fn statements_snapshot() {

@@ -551,10 +551,15 @@ impl Maintenance for PgBackend {
             .iter()
             .filter(|m| !done.contains(&i32::try_from(m.version).unwrap_or(i32::MAX)))
         {
-            sqlx::raw_sql(m.sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(db_error)?;
+            // One statement per message: Citus re-sends a DDL statement's text to its
+            // shards, and refuses one that arrived with others in a single message
+            // (42601, "cannot insert multiple commands into a prepared statement").
+            for statement in citus::statements(m.sql) {
+                sqlx::raw_sql(statement)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
+            }
             sqlx::query(sql::INSERT_MIGRATION)
                 .bind(i32::try_from(m.version).unwrap_or(i32::MAX))
                 .bind(m.name)
