@@ -214,6 +214,12 @@ if wants sqlite; then
   fi
 fi
 
+# Citus (docs/scale-out.md): every PostgreSQL statement idem sends, and every migration
+# that may run on distributed tables, checked offline against what Citus refuses; then,
+# with IDEM_CITUS_URL naming a coordinator, the conformance cases with idem's tables
+# distributed, a same-key storm and the distributed purge.
+step "Citus rules, offline: every PostgreSQL statement and later migration (no server)"
+cargo test --locked -p idem-postgres --all-features --lib citus_rules
 step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
 for target in cockroach yugabyte citus tidb; do
   cargo test --locked -p idem-tests --all-features --test "$target"

@@ -51,7 +51,7 @@ pub(crate) fn positive(amount: i64) -> Result<(), InvalidInput> {
     Ok(())
 }
 
-pub(crate) async fn migrate(url: &str) -> Result<(), Fail> {
+pub(crate) async fn migrate(url: &str, distribute_citus: bool) -> Result<(), Fail> {
     let backend = connect_within(url, AnyBackend::connect(url)).await?;
     let applied = backend.migrate().await?;
     if applied.is_empty() {
@@ -59,7 +59,29 @@ pub(crate) async fn migrate(url: &str) -> Result<(), Fail> {
     } else {
         println!("applied migrations: {applied:?}");
     }
+    if distribute_citus {
+        distribute(&backend).await?;
+    }
     Ok(())
+}
+
+/// `idem migrate --distribute-citus`: one line per table.
+async fn distribute(backend: &AnyBackend) -> Result<(), Fail> {
+    match backend {
+        #[cfg(feature = "postgres")]
+        AnyBackend::Postgres(pg) => {
+            for placement in pg.distribute().await? {
+                println!("{placement}");
+            }
+            Ok(())
+        }
+        #[allow(unreachable_patterns)]
+        _ => Err(Fail::new(
+            fail::INVALID_INPUT,
+            "--distribute-citus needs a PostgreSQL URL: Citus is PostgreSQL with the citus \
+             extension (the migrations above were applied)",
+        )),
+    }
 }
 
 pub(crate) async fn purge(url: &str, older_than: Option<Duration>, batch: u32) -> Result<(), Fail> {

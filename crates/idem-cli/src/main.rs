@@ -122,7 +122,14 @@ pub(crate) struct Cli {
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Apply idem's migrations to the database.
-    Migrate,
+    Migrate {
+        /// Then place idem's tables on the Citus cluster this URL's coordinator runs:
+        /// idem_request_result and idem_run distributed by principal, idem_processed_message
+        /// by subscriber (co-located), idem_outbox kept on the coordinator as a Citus local
+        /// table. Prints one line per table; running it again changes nothing.
+        #[arg(long)]
+        distribute_citus: bool,
+    },
     /// Run the conformance checks against the database and print what held and what was seen.
     /// Each check creates and drops its own schema, database, file or user.
     Check {
@@ -224,7 +231,9 @@ enum Command {
 async fn run(cli: Cli) -> Result<(), Fail> {
     let url = cli.url.as_deref();
     match cli.command {
-        Command::Migrate => commands::migrate(explicit_url(url, "migrate")?).await,
+        Command::Migrate { distribute_citus } => {
+            commands::migrate(explicit_url(url, "migrate")?, distribute_citus).await
+        }
         Command::Check { json } => {
             let url = explicit_url(url, "check")?;
             with_bank!(url, K => commands::check::<K>(url, json.as_deref()).await)

@@ -411,6 +411,24 @@ fn help_lists_the_exit_codes_in_plain_words() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `idem migrate --distribute-citus` on an engine that cannot be Citus: the migrations
+/// run, then a usage error says why nothing was distributed. (A PostgreSQL server without
+/// Citus is refused by the library: crates/idem-postgres/tests/distributed.rs.)
+#[test]
+fn distribute_citus_needs_postgresql() {
+    let dir = tempfile_dir("citus");
+    let url = format!("sqlite://{}", dir.join("app.db").display());
+    let out = idem(&dir, &["--url", &url, "migrate", "--distribute-citus"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert_eq!(out.status.code(), Some(2), "{stdout}{stderr}");
+    assert!(stdout.starts_with("applied migrations: "), "{stdout}");
+    assert!(
+        stderr.contains("--distribute-citus needs a PostgreSQL URL"),
+        "{stderr}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A fresh private directory under the system's temporary directory.
 fn tempfile_dir(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!(

@@ -8,12 +8,15 @@
 -- drops it. A relay that dies mid-pass leaves its claim to run out (claimed_until).
 -- Times come from the database clock.
 ALTER TABLE idem_outbox
-    ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    ADD COLUMN IF NOT EXISTS attempts integer NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS next_attempt_at timestamptz,
     ADD COLUMN IF NOT EXISTS claim_token text COLLATE "C",
     ADD COLUMN IF NOT EXISTS claimed_until timestamptz,
     ADD COLUMN IF NOT EXISTS last_error text,
     ADD COLUMN IF NOT EXISTS dead_at timestamptz;
+-- Named and added on its own (the name PostgreSQL gives a column's CHECK): Citus refuses
+-- a column added with an unnamed constraint on a table it manages.
+ALTER TABLE idem_outbox ADD CONSTRAINT idem_outbox_attempts_check CHECK (attempts >= 0);
 -- Partial indexes over pending messages only (unsent, not dead), and over dead ones.
 DROP INDEX IF EXISTS idem_outbox_unsent;
 DROP INDEX IF EXISTS idem_outbox_pending;

@@ -2,6 +2,11 @@
 
 use idem_core::{DbError, ErrorKind};
 
+/// `feature_not_supported`: among others, what Citus answers to a statement it cannot
+/// run on distributed tables (a row lock over several shards, a VOLATILE function in a
+/// modification); a [`crate::PurgeStyle::SkipLocked`] purge then retries without row
+/// locks.
+pub const FEATURE_NOT_SUPPORTED: &str = "0A000";
 /// `unique_violation`.
 pub const UNIQUE_VIOLATION: &str = "23505";
 /// `serialization_failure`: the loser under REPEATABLE READ / SERIALIZABLE.
@@ -95,5 +100,14 @@ mod tests {
                 && kind_of("40P01").is_retryable()
                 && !kind_of("23505").is_retryable()
         );
+    }
+
+    /// A statement Citus cannot run on distributed tables is neither retried nor taken
+    /// for a lost connection: only the purge reacts to it, by dropping its row locks.
+    #[test]
+    fn feature_not_supported_is_a_plain_error() {
+        assert_eq!(FEATURE_NOT_SUPPORTED, "0A000");
+        assert_eq!(kind_of(FEATURE_NOT_SUPPORTED), ErrorKind::Other);
+        assert!(!kind_of(FEATURE_NOT_SUPPORTED).is_retryable());
     }
 }

@@ -51,7 +51,18 @@
 //! [`ErrorKind::LockTimeout`]). The relay locks the oldest unsent messages with
 //! `FOR UPDATE SKIP LOCKED` and marks them sent with `id = ANY($1)`. Phases get the
 //! same [`PgTx`] as effects.
+//!
+//! # Citus
+//!
+//! [`PgBackend::distribute`] places idem's tables on a Citus coordinator
+//! ([`citus`] says where and why); the statements stay valid there (no VOLATILE function
+//! in a modification, row locks only by the full primary key), which an offline test
+//! checks on every statement. Purges that Citus refuses with row locks switch to
+//! [`PurgeStyle::Distributed`] by themselves.
 
+pub mod citus;
+#[cfg(test)]
+mod citus_rules;
 pub mod error_codes;
 pub mod leader;
 mod runs;
@@ -59,6 +70,8 @@ mod sql;
 
 use std::error::Error as StdError;
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use idem_core::claim::{self, Begun, ClaimSteps, Existing};
@@ -71,6 +84,7 @@ use sqlx::postgres::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
 use sqlx::{Connection, Postgres, Row};
 
+pub use citus::{Placed, Placement};
 pub use error_codes::db_error;
 pub use leader::{PgHeld, PgLeaderLock};
 
@@ -106,21 +120,28 @@ pub const MIGRATIONS: &[Migration] = &[
 pub struct PgBackend {
     pool: PgPool,
     purge: PurgeStyle,
+    /// Set once the server refused the row locks of a [`PurgeStyle::SkipLocked`] purge
+    /// (SQLSTATE 0A000): later purges of this backend and its clones use
+    /// [`PurgeStyle::Distributed`] at once.
+    row_locks_refused: Arc<AtomicBool>,
 }
 
 /// How `purge_batch` deletes a bounded batch of expired records.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
 pub enum PurgeStyle {
-    /// `DELETE … WHERE pk IN (SELECT … ORDER BY created_at LIMIT n FOR UPDATE SKIP
+    /// `DELETE … WHERE pk IN (SELECT … ORDER BY expires_at LIMIT n FOR UPDATE SKIP
     /// LOCKED)`: concurrent purgers skip each other's rows (single-node PostgreSQL and
-    /// streaming replicas).
+    /// streaming replicas). A server that refuses these row locks with SQLSTATE 0A000
+    /// (`feature_not_supported`: Citus does on a distributed table) gets the same
+    /// batch in the [`PurgeStyle::Distributed`] style instead, from then on.
     #[default]
     SkipLocked,
     /// The same bounded batch without `FOR UPDATE SKIP LOCKED`, which Citus refuses on a
     /// table distributed over several shards (and which CockroachDB and YugabyteDB
-    /// treat differently). Concurrent purgers may wait for each other. Not verified live
-    /// here (no Citus server): see `docs/scale-out.md`.
+    /// treat differently); the `DELETE` checks the expiry again on each row, so a key
+    /// taken over by a new request meanwhile is kept. Concurrent purgers may wait for
+    /// each other. Run live on Citus 13.2 (see `docs/scale-out.md`).
     Distributed,
 }
 
@@ -175,6 +196,7 @@ impl PgBackend {
         Self {
             pool,
             purge: PurgeStyle::default(),
+            row_locks_refused: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -529,10 +551,15 @@ impl Maintenance for PgBackend {
             .iter()
             .filter(|m| !done.contains(&i32::try_from(m.version).unwrap_or(i32::MAX)))
         {
-            sqlx::raw_sql(m.sql)
-                .execute(&mut *tx)
-                .await
-                .map_err(db_error)?;
+            // One statement per message: Citus re-sends a DDL statement's text to its
+            // shards, and refuses one that arrived with others in a single message
+            // (42601, "cannot insert multiple commands into a prepared statement").
+            for statement in citus::statements(m.sql) {
+                sqlx::raw_sql(statement)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db_error)?;
+            }
             sqlx::query(sql::INSERT_MIGRATION)
                 .bind(i32::try_from(m.version).unwrap_or(i32::MAX))
                 .bind(m.name)
@@ -551,7 +578,36 @@ impl Maintenance for PgBackend {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64, DbError> {
-        let statement = match (table, self.purge) {
+        let style = if self.row_locks_refused.load(Ordering::Relaxed) {
+            PurgeStyle::Distributed
+        } else {
+            self.purge
+        };
+        match self.purge_in_style(style, table, older_than, limit).await {
+            Err(e)
+                if style == PurgeStyle::SkipLocked
+                    && e.code() == Some(error_codes::FEATURE_NOT_SUPPORTED) =>
+            {
+                // Citus: no `FOR UPDATE` over several shards. The statement changed
+                // nothing; the same batch without row locks.
+                self.row_locks_refused.store(true, Ordering::Relaxed);
+                self.purge_in_style(PurgeStyle::Distributed, table, older_than, limit)
+                    .await
+            }
+            other => other,
+        }
+    }
+}
+
+impl PgBackend {
+    async fn purge_in_style(
+        &self,
+        style: PurgeStyle,
+        table: Table,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, DbError> {
+        let statement = match (table, style) {
             (Table::Requests, PurgeStyle::SkipLocked) => sql::PURGE_REQUESTS,
             (Table::Messages, PurgeStyle::SkipLocked) => sql::PURGE_MESSAGES,
             (Table::Runs, PurgeStyle::SkipLocked) => sql::PURGE_RUNS,

@@ -110,21 +110,38 @@ pub(crate) const PURGE_REQUESTS: &str = concat!(
     cutoff!(1),
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
+/// What the distributed purges delete: expired, and written (`$t`) at least `$1`
+/// seconds ago, by `statement_timestamp()`: STABLE, which Citus accepts in a `DELETE`
+/// where it refuses the VOLATILE `clock_timestamp()`.
+macro_rules! purgeable {
+    ($t:literal) => {
+        concat!(
+            "expires_at <= statement_timestamp() AND ",
+            $t,
+            " <= statement_timestamp() - make_interval(secs => $1)"
+        )
+    };
+}
 /// The purge for distributed PostgreSQL (Citus): the same bounded batch of expired
 /// records without the multi-shard `FOR UPDATE SKIP LOCKED` Citus refuses. Concurrent
-/// purgers may wait for each other instead of skipping rows. Params: older than (s), limit.
+/// purgers may wait for each other instead of skipping rows. Without row locks the
+/// batch can hold a key that a new request takes over before the `DELETE` reaches it
+/// (on Citus the batch is read by a statement of its own), so the `DELETE` checks the
+/// expiry again on the row it deletes. Params: older than (s), limit.
 pub(crate) const PURGE_REQUESTS_DISTRIBUTED: &str = concat!(
     "DELETE FROM idem_request_result WHERE (principal, operation, request_key) IN (",
-    "SELECT principal, operation, request_key FROM idem_request_result WHERE expires_at <= clock_timestamp() AND created_at <= ",
-    cutoff!(1),
-    " ORDER BY expires_at LIMIT $2)"
+    "SELECT principal, operation, request_key FROM idem_request_result WHERE ",
+    purgeable!("created_at"),
+    " ORDER BY expires_at LIMIT $2) AND ",
+    purgeable!("created_at")
 );
 /// The message purge for distributed PostgreSQL (see [`PURGE_REQUESTS_DISTRIBUTED`]).
 pub(crate) const PURGE_MESSAGES_DISTRIBUTED: &str = concat!(
     "DELETE FROM idem_processed_message WHERE (subscriber, message_id) IN (",
-    "SELECT subscriber, message_id FROM idem_processed_message WHERE expires_at <= clock_timestamp() AND processed_at <= ",
-    cutoff!(1),
-    " ORDER BY expires_at LIMIT $2)"
+    "SELECT subscriber, message_id FROM idem_processed_message WHERE ",
+    purgeable!("processed_at"),
+    " ORDER BY expires_at LIMIT $2) AND ",
+    purgeable!("processed_at")
 );
 /// Like [`PURGE_REQUESTS`], for messages.
 pub(crate) const PURGE_MESSAGES: &str = concat!(
@@ -361,12 +378,14 @@ pub(crate) const PURGE_RUNS: &str = concat!(
     stmt_cutoff!(1),
     " ORDER BY expires_at LIMIT $2 FOR UPDATE SKIP LOCKED)"
 );
-/// [`PURGE_RUNS`] without row locks (see [`PURGE_REQUESTS_DISTRIBUTED`]).
+/// [`PURGE_RUNS`] without row locks, rechecking the expiry on the row it deletes (see
+/// [`PURGE_REQUESTS_DISTRIBUTED`]).
 pub(crate) const PURGE_RUNS_DISTRIBUTED: &str = concat!(
     "DELETE FROM idem_run WHERE (principal, operation, request_key) IN (",
-    "SELECT principal, operation, request_key FROM idem_run WHERE expires_at <= statement_timestamp() AND created_at <= ",
-    stmt_cutoff!(1),
-    " ORDER BY expires_at LIMIT $2)"
+    "SELECT principal, operation, request_key FROM idem_run WHERE ",
+    purgeable!("created_at"),
+    " ORDER BY expires_at LIMIT $2) AND ",
+    purgeable!("created_at")
 );
 /// Outbox messages sent at least `$1` seconds ago, oldest first; unsent messages
 /// (pending or dead) are never purged. Params: older than (s), limit.
