@@ -57,16 +57,8 @@ cargo fmt --all --check
 step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "each engine feature on its own (what a user picking one engine compiles)"
-cargo clippy --locked -p idem-db --no-default-features -- -D warnings
-for feature in sqlite postgres mysql mssql oracle; do
-  cargo clippy --locked -p idem-cli --no-default-features --features "$feature" -- -D warnings
-done
-# The broker clients are opt-in: neither, either, or both.
-cargo clippy --locked -p idem-consumer --no-default-features -- -D warnings
-for feature in amqp nats; do
-  cargo clippy --locked -p idem-consumer --no-default-features --features "$feature" -- -D warnings
-done
+step "feature combinations: each engine and integration alone, the CLI's lean default, full (ci/features.sh)"
+ci/features.sh
 
 step "documentation (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked
