@@ -93,6 +93,8 @@ fn exits_with(dir: &Path, url: &str, code: i32, what: &str) {
         !stderr.contains("idem-wrong-password"),
         "the password is never printed: {stderr}"
     );
+    // The engine's code beside the server's words, never a source line of the server.
+    assert!(!stderr.contains(" at line "), "{what}: {stderr}");
 }
 
 #[test]

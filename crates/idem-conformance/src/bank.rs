@@ -1,4 +1,5 @@
-//! The demo domain each engine's fixture implements: the seed's account table.
+//! The account domain each engine implements to run the cases: an `account` table with
+//! debits and credits, as in the pattern's worked example.
 
 use std::future::Future;
 
@@ -15,7 +16,8 @@ pub struct Balance {
 /// Why a bank effect failed.
 #[derive(Debug, thiserror::Error)]
 pub enum BankError {
-    /// The debit would make the balance negative (the seed's `P0001`).
+    /// The debit would make the balance negative (a server-side function would raise
+    /// SQLSTATE `P0001`, a user-defined exception).
     #[error("insufficient balance")]
     Insufficient,
     /// The account does not exist.
@@ -47,7 +49,7 @@ pub struct Capabilities {
     pub versions: &'static str,
 }
 
-/// One engine's test fixture: an idem backend plus the seed's `account` table.
+/// One engine's bank: an idem backend plus the worked example's `account` table.
 ///
 /// A fixture connected with a namespace works in a private schema, database or file that
 /// `close` removes, so cases run in parallel without seeing each other.

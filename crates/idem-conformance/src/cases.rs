@@ -266,7 +266,8 @@ fn idem<K: Bank>(bank: &K) -> Idem<K::B> {
 
 type DebitResult = Result<Outcome<Balance>, Error<BankError>>;
 
-/// The seed's `debit_once`: debits `n` from `account` under `key`, counting effect runs.
+/// The worked example's `debit_once`: debits `n` from `account` under `key`, counting
+/// effect runs.
 async fn debit<K: Bank>(
     idem: &Idem<K::B>,
     scope: &Scope,

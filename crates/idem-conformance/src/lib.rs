@@ -1,7 +1,8 @@
-//! The conformance suite every idem backend runs, and the per-engine fixtures.
+//! The conformance suite every idem backend runs, and an account domain per engine to run
+//! it on.
 //!
 //! - [`cases`]: the promises, as plain `async fn case<K: Bank>(bank)` functions;
-//! - [`bank`]: the seed's account domain each engine implements ([`Bank`]);
+//! - [`bank`]: the account domain each engine implements ([`Bank`]);
 //! - [`harness`]: one named trial per case per engine (`postgres::keys_are_byte_exact`),
 //!   and the report behind `idem check` and `docs/engines.md`;
 //! - [`proxy`]: a loopback TCP proxy that counts round trips (`idem bench`) and injects

@@ -17,7 +17,7 @@ use idem::mssql::{MssqlBackend, MssqlClient, MssqlOptions, MssqlTx, db_error};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 
-/// The seed's account table, in SQL Server.
+/// The worked example's account table, in SQL Server.
 pub const CREATE_ACCOUNT: &str = "IF OBJECT_ID(N'idem_demo_account', N'U') IS NULL \
     CREATE TABLE idem_demo_account (account_id bigint NOT NULL PRIMARY KEY, \
     balance bigint NOT NULL CONSTRAINT idem_demo_account_balance_ck CHECK (balance >= 0))";

@@ -7,7 +7,7 @@ use idem::mysql::{MysqlBackend, MysqlTx, db_error, parse_url};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 
-/// The seed's account table, in MySQL/MariaDB.
+/// The worked example's account table, in MySQL/MariaDB.
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
     account_id BIGINT PRIMARY KEY, balance BIGINT NOT NULL CHECK (balance >= 0)) ENGINE=InnoDB";
 

@@ -19,7 +19,7 @@ use idem::oracle::{ConnectOptions, OracleBackend, OracleTx, db_error, error_code
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 
-/// The seed's account table, in Oracle.
+/// The worked example's account table, in Oracle.
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE idem_demo_account (\
     account_id NUMBER(19) NOT NULL, balance NUMBER(19) NOT NULL, \
     CONSTRAINT idem_demo_account_pk PRIMARY KEY (account_id), \

@@ -9,7 +9,7 @@ use idem::postgres::{PgBackend, PgTx, PurgeStyle, db_error};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 
-/// The seed's account table, in PostgreSQL.
+/// The worked example's account table, in PostgreSQL.
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
     account_id bigint PRIMARY KEY, balance bigint NOT NULL CHECK (balance >= 0))";
 

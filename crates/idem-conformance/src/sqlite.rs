@@ -8,7 +8,7 @@ use idem::sqlite::{Location, SqliteBackend, SqliteTx, db_error};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 
-/// The seed's account table, in SQLite.
+/// The worked example's account table, in SQLite.
 pub const CREATE_ACCOUNT: &str = "CREATE TABLE IF NOT EXISTS idem_demo_account (\
     account_id INTEGER PRIMARY KEY, balance INTEGER NOT NULL CHECK (balance >= 0)) STRICT";
 

@@ -194,8 +194,9 @@ impl StdError for DbError {
 pub enum Error<E> {
     /// The key, scope or request was refused before any SQL ran.
     InvalidInput(InvalidInput),
-    /// The key is known in this scope with a different request (the seed's SQLSTATE
-    /// 22023, "idempotency key reused with different request"). Nothing ran.
+    /// The key is known in this scope with a different request ("idempotency key reused
+    /// with different request"; a server-side function would raise SQLSTATE 22023,
+    /// invalid parameter value). Nothing ran.
     KeyReused {
         /// The request stored with the key.
         stored: Value,

@@ -128,7 +128,12 @@ pub fn classify(e: &Error) -> ErrorKind {
 /// (`"1062"`).
 pub fn db_error(e: Error) -> DbError {
     let kind = classify(&e);
-    let err = DbError::new("mysql", kind, e.to_string());
+    // A server error in the server's own words; the number is the code beside it.
+    let message = match &e {
+        Error::Server(s) => s.message.clone(),
+        other => other.to_string(),
+    };
+    let err = DbError::new("mysql", kind, message);
     match server_code(&e) {
         Some(code) => err.with_code(code.to_string()),
         None => err,

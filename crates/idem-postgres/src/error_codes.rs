@@ -23,7 +23,7 @@ pub const INVALID_PASSWORD: &str = "28P01";
 pub const INVALID_AUTHORIZATION_SPECIFICATION: &str = "28000";
 /// `invalid_catalog_name`: the database named in the URL does not exist.
 pub const INVALID_CATALOG_NAME: &str = "3D000";
-/// The seed's "invalid parameter value" for a reused key.
+/// `invalid_parameter_value`: what a server-side function raises for a reused key.
 pub const INVALID_PARAMETER_VALUE: &str = "22023";
 
 /// What a SQLSTATE means for the protocol.
@@ -63,12 +63,31 @@ pub fn db_error(e: sqlx::Error) -> DbError {
         sqlx::Error::Database(d) => d.code().map(|c| c.into_owned()),
         _ => None,
     };
-    let err = DbError::new("postgres", kind, e.to_string());
+    let err = DbError::new("postgres", kind, message(&e));
     match code {
         Some(code) => err.with_code(code),
         None => err,
     }
     .with_source(e)
+}
+
+/// The server's own words for a database error (message, then detail and hint), without
+/// sqlx's Display additions: the server's source line ("at line 948") means nothing to a
+/// user. Other errors keep sqlx's text.
+fn message(e: &sqlx::Error) -> String {
+    let sqlx::Error::Database(d) = e else {
+        return e.to_string();
+    };
+    let mut text = d.message().to_owned();
+    if let Some(pg) = d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        if let Some(detail) = pg.detail() {
+            text.push_str(&format!(": {detail}"));
+        }
+        if let Some(hint) = pg.hint() {
+            text.push_str(&format!(" (hint: {hint})"));
+        }
+    }
+    text
 }
 
 #[cfg(test)]

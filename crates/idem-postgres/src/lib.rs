@@ -1,7 +1,7 @@
 //! PostgreSQL backend for idem, on [sqlx](https://docs.rs/sqlx).
 //!
-//! The claim is the seed's: `INSERT … ON CONFLICT DO NOTHING` inside the effect's
-//! transaction, then a **separate** `SELECT` when nothing was inserted. A conflicting
+//! The claim is the pattern's reference one: `INSERT … ON CONFLICT DO NOTHING` inside the
+//! effect's transaction, then a **separate** `SELECT` when nothing was inserted. A conflicting
 //! insert waits for the other transaction; under READ COMMITTED the row it committed may
 //! be invisible to the INSERT's snapshot, but the next statement sees it. The winner's
 //! placeholder (response `NULL`) exists only inside its transaction; it is completed

@@ -36,7 +36,7 @@ pub(crate) struct Options {
     pub(crate) fail_after: f64,
     /// Wait after recording a new charge, before answering it.
     pub(crate) delay: Duration,
-    /// Seed of the fault draws.
+    /// Where the random fault draws start (`--seed`), for a repeatable run.
     pub(crate) seed: Option<u64>,
 }
 

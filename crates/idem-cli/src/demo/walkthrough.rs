@@ -80,7 +80,8 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
     let r = debit("checkout-42", 101).await?;
     println!("4. debit(1, \"checkout-42\", 101): {}", show(&r));
     println!(
-        "   (refused with Error::KeyReused before any effect; a SQL function would raise SQLSTATE 22023)"
+        "   (the key was already used with another amount: refused before any effect, with \
+         Error::KeyReused; a server-side function would raise SQLSTATE 22023, invalid parameter value)"
     );
     if !matches!(r, Err(Error::KeyReused { .. })) {
         return Err(diverged(4, show(&r)));
