@@ -62,6 +62,7 @@ mod demo;
 #[cfg(all(test, feature = "full"))]
 mod doc_commands;
 mod fail;
+mod logging;
 mod maintain;
 mod outbox;
 #[cfg(any(feature = "amqp", feature = "nats"))]
@@ -324,7 +325,24 @@ async fn run(cli: Cli) -> Result<(), Fail> {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let secrets = logging::Secrets::of_command_line();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            // Usage errors may repeat an argument: scrubbed like every other line.
+            let text = secrets.scrub(&e.render().to_string());
+            if e.use_stderr() {
+                eprint!("{text}");
+            } else {
+                print!("{text}");
+            }
+            return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(fail::INVALID_INPUT));
+        }
+    };
+    if let Err(fail) = logging::init(&secrets) {
+        eprintln!("error: {}", secrets.scrub(&fail.message));
+        return ExitCode::from(fail.code);
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -338,7 +356,7 @@ fn main() -> ExitCode {
     match runtime.block_on(run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(fail) => {
-            eprintln!("error: {}", fail.message);
+            eprintln!("error: {}", secrets.scrub(&fail.message));
             ExitCode::from(fail.code)
         }
     }

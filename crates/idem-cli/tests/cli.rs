@@ -1,6 +1,8 @@
 //! The `idem` binary as users run it: exit codes per failure on every live engine, the
 //! connect timeout on a wrong-protocol port, no stray `idem.db`, `idem docs` outside the
-//! repository, plain output when not on a terminal, and the help text.
+//! repository, plain output when not on a terminal, the help text, the operator's commands
+//! apart from the demo's, and no secret of a URL printed by any command (against ports
+//! nothing listens on, with `RUST_LOG=trace`).
 //!
 //! PostgreSQL and MariaDB/MySQL are required (`IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`, with
 //! the defaults of `ci/test.sh`); an unreachable server fails these tests.
@@ -428,6 +430,179 @@ fn distribute_citus_needs_postgresql() {
         stderr.contains("--distribute-citus needs a PostgreSQL URL"),
         "{stderr}"
     );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Environment variables for one run.
+type Env<'a> = Vec<(&'a str, &'a str)>;
+
+/// Runs `idem` in `dir` with `env`, as [`idem`] does.
+fn idem_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
+        .args(args)
+        .current_dir(dir)
+        .env_remove("IDEM_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    let mut child = command.spawn().unwrap();
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > HANG_GUARD {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("idem {args:?} still ran after {HANG_GUARD:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn no_command_prints_a_secret_of_its_urls() {
+    const SECRET: &str = "Sup3r-S3cret-7f3a";
+    let dir = tempfile_dir("secrets");
+    let port = closed_port();
+    let databases = [
+        format!("postgres://app:{SECRET}@127.0.0.1:{port}/db"),
+        format!("postgres://app@127.0.0.1:{port}/db?password={SECRET}"),
+        format!("postgres://app@127.0.0.1:{port}/db?token={SECRET}"),
+        format!("mysql://app:{SECRET}@127.0.0.1:{port}/db"),
+        format!("Server=tcp:127.0.0.1,{port};User Id=sa;Password={SECRET}"),
+        format!("oracle://app:{SECRET}@127.0.0.1:{port}/FREEPDB1"),
+    ];
+    let brokers = [
+        (
+            "--amqp",
+            format!("amqp://app:{SECRET}@127.0.0.1:{port}/%2f"),
+        ),
+        ("--nats", format!("nats://app:{SECRET}@127.0.0.1:{port}")),
+        ("--nats", format!("nats://{SECRET}@127.0.0.1:{port}")),
+        ("--nats", format!("nats://127.0.0.1:{port}?token={SECRET}")),
+    ];
+    let provider = format!("http://app:{SECRET}@127.0.0.1:{port}");
+    let on_database: [&[&str]; 11] = [
+        &["migrate"],
+        &["check"],
+        &["purge"],
+        &[
+            "bench",
+            "--clients",
+            "1",
+            "--duration",
+            "100ms",
+            "--rounds",
+            "1",
+        ],
+        &["demo"],
+        &["demo", "account", "--id", "1"],
+        &[
+            "demo",
+            "debit",
+            "--account",
+            "1",
+            "--key",
+            "k",
+            "--amount",
+            "1",
+        ],
+        &[
+            "demo",
+            "credit-message",
+            "--subscriber",
+            "s",
+            "--message-id",
+            "m",
+            "--account",
+            "1",
+            "--amount",
+            "1",
+        ],
+        &[
+            "demo",
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--provider",
+            &provider,
+        ],
+        &["demo", "complete", "--provider", &provider],
+        &["relay", "--nats", "nats://127.0.0.1:1", "--once"],
+    ];
+    let mut runs: Vec<Vec<String>> = Vec::new();
+    for url in &databases {
+        for command in on_database {
+            let mut args = vec!["--url".to_owned(), url.clone()];
+            args.extend(command.iter().map(|a| (*a).to_owned()));
+            runs.push(args);
+        }
+    }
+    // The broker commands, with a secret-bearing database URL too.
+    for (flag, broker) in &brokers {
+        let db = &databases[0];
+        let stream: &[&str] = if *flag == "--nats" {
+            &["--stream", "S", "--consumer", "C"]
+        } else {
+            &["--queue", "q"]
+        };
+        let subject: &[&str] = if *flag == "--nats" {
+            &["--subject", "s"]
+        } else {
+            &["--queue", "q"]
+        };
+        let mut consume = vec!["--url", db, "demo", "consume", flag, broker];
+        consume.extend_from_slice(stream);
+        consume.extend_from_slice(&["--subscriber", "s"]);
+        let mut publish = vec!["demo", "publish", flag, broker];
+        publish.extend_from_slice(subject);
+        let relay = vec!["--url", db, "relay", flag, broker, "--once"];
+        // The broker is reached first where the database is a local file.
+        let file = format!("sqlite://{}", dir.join("relay.db").display());
+        let relay_first = vec!["--url", &file, "relay", flag, broker, "--once"];
+        for args in [consume, publish, relay, relay_first] {
+            runs.push(args.into_iter().map(str::to_owned).collect());
+        }
+    }
+    // A secret in a usage error.
+    runs.push(vec![
+        "migrate".into(),
+        "--no-such-option".into(),
+        databases[0].clone(),
+    ]);
+    let mut with_env: Vec<(Vec<String>, Env<'_>)> = runs
+        .into_iter()
+        .map(|args| (args, vec![("RUST_LOG", "trace")]))
+        .collect();
+    // Secrets given in IDEM_URL.
+    for url in &databases {
+        for command in [&["migrate"][..], &["demo", "account", "--id", "1"]] {
+            let args = command.iter().map(|a| (*a).to_owned()).collect();
+            with_env.push((
+                args,
+                vec![("RUST_LOG", "trace"), ("IDEM_URL", url.as_str())],
+            ));
+        }
+    }
+    for (args, env) in &with_env {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let out = idem_with_env(&dir, &args, env);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_ne!(
+            out.status.code(),
+            Some(0),
+            "{args:?} succeeded: {stdout}{stderr}"
+        );
+        assert!(!stderr.is_empty(), "{args:?}: nothing said");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            !stdout.contains(SECRET) && !stderr.contains(SECRET),
+            "{args:?} printed the secret:\n{stdout}{stderr}"
+        );
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -17,24 +17,10 @@
 
 type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
-/// The URL with any password replaced by `***`, for messages.
+/// The URL with every secret replaced by `***`, for messages ([`idem_core::redact`]).
 #[cfg_attr(not(any(feature = "amqp", feature = "nats")), allow(dead_code))]
 pub(crate) fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(scheme), Some(at)) if at > scheme => {
-            let userinfo = &url[scheme + 3..at];
-            match userinfo.find(':') {
-                Some(colon) => format!(
-                    "{}{}:***{}",
-                    &url[..scheme + 3],
-                    &userinfo[..colon],
-                    &url[at..]
-                ),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
+    idem_core::redact(url)
 }
 
 /// Why a publisher could not be set up or a message could not be published. The

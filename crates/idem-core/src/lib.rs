@@ -24,6 +24,7 @@ pub mod observe;
 pub mod outbox;
 mod phased;
 mod protocol;
+mod redact;
 mod request;
 pub mod runs;
 
@@ -46,6 +47,7 @@ pub use protocol::{
     BoxFuture, Consumed, DEFAULT_MAX_JSON_BYTES, DEFAULT_WAIT, Idem, MIN_RETENTION, Outcome,
     PurgeReport, RetryPolicy,
 };
+pub use redact::{redact, url_secrets};
 pub use request::{MAX_JSON_DEPTH, Request};
 pub use runs::{OutboxStore, RunStore};
 pub use serde_json;

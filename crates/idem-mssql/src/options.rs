@@ -260,39 +260,10 @@ fn split_addr(addr: &str) -> (String, u16) {
     }
 }
 
-/// `mssql://user:***@host…`: the URL without its password, for messages.
+/// `mssql://user:***@host…`: the URL (or ADO.NET string) without its password, for
+/// messages ([`idem_core::redact`]).
 pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        // An ADO.NET string: hide every password value.
-        return redact_ado(url);
-    };
-    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
-    let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
-        Some((userinfo, host)) => {
-            let user = userinfo.split_once(':').map_or(userinfo, |(u, _)| u);
-            format!("{scheme}://{user}:***@{host}{tail}")
-        }
-        None => url.to_owned(),
-    }
-}
-
-fn redact_ado(s: &str) -> String {
-    ado_pairs(s)
-        .into_iter()
-        .map(|(k, v)| {
-            if is_password_key(&k) {
-                format!("{k}=***")
-            } else {
-                format!("{k}={v}")
-            }
-        })
-        .collect::<Vec<_>>()
-        .join(";")
-}
-
-fn is_password_key(key: &str) -> bool {
-    matches!(key, "password" | "pwd")
+    idem_core::redact(url)
 }
 
 fn percent_decode(what: &str, text: &str) -> Result<String, String> {
@@ -591,7 +562,7 @@ fn parse_ado(s: &str) -> Result<MssqlOptions, DbError> {
     let bad = |why: String| {
         config_error(scrub(format!(
             "invalid ADO.NET connection string {:?}: {why}",
-            redact_ado(s)
+            redact_url(s)
         )))
     };
     let Some(server) = get(&["server", "data source"]) else {
@@ -785,7 +756,7 @@ mod tests {
         assert_eq!(redact_url("mssql://h:1433/db"), "mssql://h:1433/db");
         assert_eq!(
             redact_url("Server=h;Password={Sup3r;S3cret};User Id=sa"),
-            "server=h;password=***;user id=sa"
+            "Server=h;Password=***;User Id=sa"
         );
     }
 

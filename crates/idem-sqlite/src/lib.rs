@@ -135,7 +135,7 @@ impl Location {
             DbError::new(
                 ENGINE,
                 ErrorKind::Configuration,
-                format!("invalid SQLite URL {url:?}: {why}"),
+                format!("invalid SQLite URL {:?}: {why}", idem_core::redact(url)),
             )
         };
         let rest = url

@@ -100,30 +100,13 @@ impl Engine {
     }
 }
 
-/// A URL with its password replaced by `***`, for messages.
-pub fn redact(url: &str) -> String {
-    if let Some((scheme, rest)) = url.split_once("://")
-        && let Some((userinfo, host)) = rest.split_once('@')
-        && let Some((user, _)) = userinfo.split_once(':')
-    {
-        return format!("{scheme}://{user}:***@{host}");
-    }
-    if url.contains(';') {
-        return url
-            .split(';')
-            .map(|part| {
-                let key = part.trim_start().to_ascii_lowercase();
-                if key.starts_with("password=") || key.starts_with("pwd=") {
-                    "Password=***"
-                } else {
-                    part
-                }
-            })
-            .collect::<Vec<_>>()
-            .join(";");
-    }
-    url.to_owned()
-}
+/// A URL or connection string with every secret replaced by `***`, for messages, logs and
+/// spans (passwords, lone tokens, secret query parameters, ADO.NET `Password=`): the one
+/// redaction function every idem crate uses.
+pub use idem_core::redact;
+/// The secrets [`redact`] masks in a URL, as written and percent-decoded: for scrubbing
+/// text that may repeat them in another form (a driver's own log line).
+pub use idem_core::url_secrets;
 
 /// Any compiled-in backend, connected by URL: for migrations and purges when the
 /// engine is only known at run time. Effects need the engine's own transaction type,
@@ -276,16 +259,5 @@ mod tests {
             err.contains("unknown database URL") && !err.contains("secret"),
             "{err}"
         );
-    }
-
-    #[test]
-    fn passwords_are_redacted() {
-        assert_eq!(redact("postgres://u:pw@h/db"), "postgres://u:***@h/db");
-        assert_eq!(redact("mysql://root@h/test"), "mysql://root@h/test");
-        assert_eq!(
-            redact("Server=h;Password=pw;User Id=sa"),
-            "Server=h;Password=***;User Id=sa"
-        );
-        assert_eq!(redact("Data Source=h;Pwd=pw"), "Data Source=h;Password=***");
     }
 }
