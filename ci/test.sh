@@ -66,12 +66,17 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --lock
 step "build"
 cargo build --workspace --all-targets --all-features --locked
 
+step "packages: cargo package and publish --dry-run of every crate, the packaged facade built alone (ci/package.sh)"
+ci/package.sh
+
 step "unit, snapshot, offline and doc tests (no database server)"
 cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql --exclude idem-cli
 cargo test --locked -p idem-cli --all-features --bins
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
 cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
 cargo test --locked -p idem-tests --all-features --test workflows
+# The repository README's Rust examples.
+cargo test --locked -p idem-tests --all-features --doc
 
 for engine in sqlite postgres mysql mssql oracle; do
   case $engine in

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# The crates as a registry would ship them:
+#  1. `cargo package` of every publishable crate, in dependency order; cargo verifies each
+#     one by building it from its own package, with the packages of its idem siblings
+#     served from a local registry (none is on crates.io yet), so no --no-verify is needed;
+#  2. `cargo publish --dry-run` of the same set (nothing is uploaded);
+#  3. a registry user's program: the facade's README example, built and run against the
+#     unpacked .crate files alone (a [patch.crates-io] per package), every feature on.
+# Run by ci/test.sh; runnable alone: ci/package.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+target=${CARGO_TARGET_DIR:-$root/target}
+
+step() { printf -- '-- %s\n' "$*"; }
+
+step "cargo package (every publishable crate, verified, in dependency order)"
+rm -f "$target"/package/*.crate
+cargo package --locked --workspace --exclude idem-tests
+
+step "cargo publish --dry-run (same set; nothing is uploaded)"
+cargo publish --dry-run --locked --workspace --exclude idem-tests --no-verify
+
+step "a registry user's program against the unpacked packages alone"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+mkdir -p "$work/unpacked" "$work/user/src"
+patches=""
+for crate in "$target"/package/*.crate; do
+  tar -xzf "$crate" -C "$work/unpacked"
+  dir=$(basename "$crate" .crate)
+  name=${dir%-*}
+  case $name in idem-cli | idem-conformance) continue ;; esac # not in a library user's graph
+  patches+="$name = { path = \"../unpacked/$dir\" }"$'\n'
+done
+facade=$(ls -d "$work"/unpacked/idem-db-*)
+# The program: the first Rust example of the packaged facade's README, as shipped.
+awk '/^```rust/{on=1; next} /^```/{if(on){exit}} on' "$facade/README.md" > "$work/user/src/main.rs"
+grep -q "fn main" "$work/user/src/main.rs"
+cat > "$work/user/Cargo.toml" <<TOML
+[package]
+name = "idem-registry-user"
+version = "0.0.0"
+edition = "2024"
+publish = false
+
+[dependencies]
+idem-db = { version = "0.1.0", features = ["sqlite", "postgres", "mysql", "mssql", "oracle", "axum", "amqp", "nats", "metrics"] }
+serde_json = "1"
+thiserror = "2"
+tokio = { version = "1", features = ["macros", "rt-multi-thread"] }
+
+[patch.crates-io]
+$patches
+[workspace]
+
+[profile.dev]
+debug = "line-tables-only"
+
+[profile.dev.package."*"]
+debug = false
+TOML
+# The same dependency versions as the workspace (the lockfile is adjusted, not upgraded).
+cp Cargo.lock "$work/user/Cargo.lock"
+(cd "$work/user" && CARGO_TARGET_DIR="$target/registry-user" cargo run --quiet --offline)
+# Nothing of the workspace was used: every idem package came from the unpacked files.
+elsewhere=$(cd "$work/user" && cargo tree --offline --prefix none -e normal |
+  grep '^idem-' | grep -v '^idem-registry-user ' | grep -v "$work/unpacked" || true)
+if [ -n "$elsewhere" ]; then
+  echo "idem packages not taken from the unpacked .crate files:" >&2
+  echo "$elsewhere" >&2
+  exit 1
+fi
+echo "the packaged facade builds and runs from its package contents alone"
