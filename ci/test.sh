@@ -60,6 +60,9 @@ cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 step "feature combinations: each engine and integration alone, the CLI's lean default, full (ci/features.sh)"
 ci/features.sh
 
+step "minimum Rust versions: 1.88, and 1.94 for PostgreSQL (ci/msrv.sh)"
+ci/msrv.sh
+
 step "documentation (warnings denied)"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked
 
