@@ -14,16 +14,33 @@ target=${CARGO_TARGET_DIR:-$root/target}
 
 step() { printf -- '-- %s\n' "$*"; }
 
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# A CARGO_HOME of this script's own, sharing the real one's index and downloads. Cargo
+# unpacks the packages it verifies against into CARGO_HOME/registry/src once per version
+# and reuses that copy after, so a later run of the same version would verify against an
+# earlier run's sources: those copies (registry/src/-*) are removed before each run. The
+# crates.io sources stay unpacked there between runs, so their builds are reused.
+home=${CARGO_HOME:-$HOME/.cargo}
+export CARGO_HOME="$target/package-cargo-home"
+mkdir -p "$CARGO_HOME/registry/src"
+for shared in index cache; do
+  mkdir -p "$home/registry/$shared"
+  ln -sfn "$home/registry/$shared" "$CARGO_HOME/registry/$shared"
+done
+for config in config.toml config; do
+  if [ -f "$home/$config" ]; then cp "$home/$config" "$CARGO_HOME/"; fi
+done
+rm -rf "$CARGO_HOME"/registry/src/-*
+
 step "cargo package (every publishable crate, verified, in dependency order)"
 rm -f "$target"/package/*.crate
 cargo package --locked --workspace --exclude idem-tests
 
 step "cargo publish --dry-run (same set; nothing is uploaded)"
-cargo publish --dry-run --locked --workspace --exclude idem-tests --no-verify
+cargo publish --dry-run --locked --workspace --exclude idem-tests
 
 step "a registry user's program against the unpacked packages alone"
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/unpacked" "$work/user/src"
 patches=""
 for crate in "$target"/package/*.crate; do

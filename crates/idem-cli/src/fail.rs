@@ -78,20 +78,33 @@ pub(crate) fn built_features() -> Vec<&'static str> {
     .collect()
 }
 
+/// Every cargo feature of the CLI but `full`.
+const FEATURES: [&str; 9] = [
+    "sqlite", "postgres", "mysql", "mssql", "oracle", "amqp", "nats", "http", "bench",
+];
+
 /// `idem --help`'s closing text: the exit codes, then what this build contains.
 pub(crate) fn exit_codes_and_build() -> String {
-    let features = built_features();
-    let built = if features.is_empty() {
-        "none".to_owned()
+    let built = built_features();
+    let missing: Vec<&str> = FEATURES
+        .into_iter()
+        .filter(|f| !built.contains(f))
+        .collect();
+    let build = if missing.is_empty() {
+        "Built with every feature (engines, brokers, http, bench).".to_owned()
     } else {
-        features.join(", ")
+        format!(
+            "Built with the features: {}. Not in this build: {} (their engines and commands \
+             need a build with them, for example `cargo install idem-cli --features full`).",
+            if built.is_empty() {
+                "none".to_owned()
+            } else {
+                built.join(", ")
+            },
+            missing.join(", ")
+        )
     };
-    format!(
-        "{EXIT_CODES_HELP}\n\n\
-         Built with the features: {built}. Engines and commands of other features (postgres, \
-         mysql, mssql, oracle, amqp, nats, http, bench) need a build with them, for example \
-         `cargo install idem-cli --features full`."
-    )
+    format!("{EXIT_CODES_HELP}\n\n{build}")
 }
 
 /// A failure: the message printed after `error: ` and the exit code.

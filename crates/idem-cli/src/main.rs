@@ -96,7 +96,10 @@ Safe retries of database writes: idempotency records on five SQL engines.
 
 The commands below are for operators: they work on your database, named by --url or
 IDEM_URL (required). `idem demo` runs a walkthrough of the pattern on a demo bank, and
-`idem demo --help` lists the demo's own commands (debits, a consumer, an HTTP server).";
+`idem demo --help` lists the demo's own commands (debits, a consumer, an HTTP server).
+
+Set RUST_LOG (for example RUST_LOG=info, or RUST_LOG=idem_core=debug,warn) for
+diagnostics on stderr; the secrets of the URLs given are masked in them.";
 
 #[derive(Debug, Parser)]
 #[command(
@@ -111,7 +114,7 @@ pub(crate) struct Cli {
     /// Database URL: sqlite::memory:, sqlite://idem.db, sqlite:///abs/path.db,
     /// postgres://…, mysql://…, mariadb://…, mssql://… (or an ADO.NET string), oracle://….
     /// Required by every command except `idem demo …`, which defaults to sqlite://idem.db
-    /// (the walkthrough to a private file removed afterwards).
+    /// in the current directory.
     #[arg(long, global = true, env = "IDEM_URL", hide_env_values = true)]
     url: Option<String>,
 
