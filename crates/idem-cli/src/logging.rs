@@ -39,6 +39,16 @@ impl Secrets {
                 Some((_, value)) => value.to_owned(),
                 None => text,
             };
+            // Only URLs and connection strings: a command name or an option is not a secret
+            // (the redaction masks any text it cannot read as either).
+            let url_like = value.contains("://")
+                || (value.contains('=') && value.contains(';'))
+                || value.split_once(':').is_some_and(|(scheme, _)| {
+                    !scheme.is_empty() && scheme.chars().all(|c| c.is_ascii_alphabetic())
+                });
+            if !url_like {
+                continue;
+            }
             for secret in idem::url_secrets(&value) {
                 if secret.chars().count() >= MIN_SCRUBBED && !all.contains(&secret) {
                     all.push(secret);
@@ -144,5 +154,21 @@ mod tests {
         }
         // Secrets shorter than four characters are left to the structural redaction.
         assert!(scrubbed.ends_with(" abc"), "{scrubbed}");
+        // Command names, options and values are not secrets.
+        let plain = Secrets::of(
+            [
+                "idem",
+                "maintain",
+                "--ticks",
+                "1",
+                "demo",
+                "--listen=127.0.0.1:0",
+            ]
+            .map(String::from),
+        );
+        assert_eq!(
+            plain.scrub("maintain --ticks demo 127.0.0.1"),
+            "maintain --ticks demo 127.0.0.1"
+        );
     }
 }

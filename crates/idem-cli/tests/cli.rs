@@ -204,6 +204,8 @@ fn operator_commands_require_a_url_and_create_no_file() {
         &["purge", "--older-than", "24h"][..],
         &["bench", "--clients", "1"][..],
         &["relay", "--nats", "nats://127.0.0.1:1", "--once"][..],
+        &["outbox", "list"][..],
+        &["maintain", "--ticks", "1"][..],
         &["demo", "complete"][..],
     ] {
         let out = idem(&dir, args);
@@ -485,10 +487,13 @@ fn no_command_prints_a_secret_of_its_urls() {
         ("--nats", format!("nats://127.0.0.1:{port}?token={SECRET}")),
     ];
     let provider = format!("http://app:{SECRET}@127.0.0.1:{port}");
-    let on_database: [&[&str]; 11] = [
+    let on_database: [&[&str]; 14] = [
         &["migrate"],
         &["check"],
         &["purge"],
+        &["outbox", "list"],
+        &["outbox", "retry", "--dead"],
+        &["maintain", "--ticks", "1"],
         &[
             "bench",
             "--clients",
@@ -534,6 +539,7 @@ fn no_command_prints_a_secret_of_its_urls() {
         &["relay", "--nats", "nats://127.0.0.1:1", "--once"],
     ];
     let mut runs: Vec<Vec<String>> = Vec::new();
+    let mut may_succeed: Vec<Vec<String>> = Vec::new();
     for url in &databases {
         for command in on_database {
             let mut args = vec!["--url".to_owned(), url.clone()];
@@ -566,6 +572,10 @@ fn no_command_prints_a_secret_of_its_urls() {
         for args in [consume, publish, relay, relay_first] {
             runs.push(args.into_iter().map(str::to_owned).collect());
         }
+        // The maintenance loop's relay: a broker it cannot reach fails the tick's relay
+        // task, not the command, so this run may succeed.
+        let maintain = vec!["--url", &file, "maintain", "--ticks", "1", flag, broker];
+        may_succeed.push(maintain.into_iter().map(str::to_owned).collect::<Vec<_>>());
     }
     // A secret in a usage error.
     runs.push(vec![
@@ -587,15 +597,23 @@ fn no_command_prints_a_secret_of_its_urls() {
             ));
         }
     }
+    with_env.extend(
+        may_succeed
+            .iter()
+            .map(|args| (args.clone(), vec![("RUST_LOG", "trace")])),
+    );
     for (args, env) in &with_env {
+        let may = may_succeed.contains(args);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         let out = idem_with_env(&dir, &args, env);
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
-        assert_ne!(
-            out.status.code(),
-            Some(0),
-            "{args:?} succeeded: {stdout}{stderr}"
-        );
+        if !may {
+            assert_ne!(
+                out.status.code(),
+                Some(0),
+                "{args:?} succeeded: {stdout}{stderr}"
+            );
+        }
         assert!(!stderr.is_empty(), "{args:?}: nothing said");
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
         assert!(
