@@ -16,11 +16,13 @@ step() { printf -- '-- %s\n' "$*"; }
 
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-# A CARGO_HOME of this script's own, sharing the real one's index and downloads. Cargo
-# unpacks the packages it verifies against into CARGO_HOME/registry/src once per version
-# and reuses that copy after, so a later run of the same version would verify against an
-# earlier run's sources: those copies (registry/src/-*) are removed before each run. The
-# crates.io sources stay unpacked there between runs, so their builds are reused.
+# Cargo keeps what it builds from a registry by name and version, not by contents: the
+# packages it verifies against (0.1.0 again at every run, its siblings served from a local
+# registry) would be taken from an earlier run, both as sources unpacked in
+# CARGO_HOME/registry/src and as compiled units in the target directory. So this script
+# has a CARGO_HOME and a target directory of its own (sharing the real index and
+# downloads), and removes every idem unit from them before each run; the crates.io
+# dependencies stay built between runs.
 home=${CARGO_HOME:-$HOME/.cargo}
 export CARGO_HOME="$target/package-cargo-home"
 mkdir -p "$CARGO_HOME/registry/src"
@@ -31,19 +33,21 @@ done
 for config in config.toml config; do
   if [ -f "$home/$config" ]; then cp "$home/$config" "$CARGO_HOME/"; fi
 done
-rm -rf "$CARGO_HOME"/registry/src/-*
+build="$target/package-build"
+rm -rf "$CARGO_HOME"/registry/src/-* "$build/package" \
+  "$build"/debug/.fingerprint/idem-* "$build"/debug/deps/*idem_* "$build"/debug/build/idem-*
 
 step "cargo package (every publishable crate, verified, in dependency order)"
-rm -f "$target"/package/*.crate
-cargo package --locked --workspace --exclude idem-tests
+CARGO_TARGET_DIR="$build" cargo package --locked --workspace --exclude idem-tests
+crates=("$build"/package/*.crate)
 
 step "cargo publish --dry-run (same set; nothing is uploaded)"
-cargo publish --dry-run --locked --workspace --exclude idem-tests
+CARGO_TARGET_DIR="$build" cargo publish --dry-run --locked --workspace --exclude idem-tests
 
 step "a registry user's program against the unpacked packages alone"
 mkdir -p "$work/unpacked" "$work/user/src"
 patches=""
-for crate in "$target"/package/*.crate; do
+for crate in "${crates[@]}"; do
   tar -xzf "$crate" -C "$work/unpacked"
   dir=$(basename "$crate" .crate)
   name=${dir%-*}
