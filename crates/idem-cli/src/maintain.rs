@@ -166,143 +166,29 @@ impl Elect for idem::oracle::OracleBackend {
     }
 }
 
-/// Where the relay publishes.
-#[derive(Debug, Clone)]
-enum Broker {
-    #[cfg(feature = "amqp")]
-    Amqp {
-        url: String,
-        exchange: Option<String>,
-    },
-    #[cfg(feature = "nats")]
-    Nats { url: String, stream: String },
-}
-
+/// The broker `--amqp` / `--nats` name, if any.
 #[cfg(any(feature = "amqp", feature = "nats"))]
-#[derive(Debug)]
-enum Connected {
-    #[cfg(feature = "amqp")]
-    Amqp(idem::consumer::amqp::AmqpPublisher),
-    #[cfg(feature = "nats")]
-    Nats(idem::consumer::nats::NatsPublisher),
+fn broker(args: &MaintainArgs) -> Result<Option<crate::relay::Target>, Fail> {
+    crate::relay::Target::from_options(
+        args.amqp.as_deref(),
+        args.exchange.as_deref(),
+        args.nats.as_deref(),
+        &args.stream,
+    )
 }
 
-/// A publisher that connects on first use and again after a failure (the broker
-/// restarted), so the loop keeps relaying without restarting the command.
-#[cfg(any(feature = "amqp", feature = "nats"))]
-#[derive(Debug)]
-struct BrokerPublisher {
-    broker: Broker,
-    connected: tokio::sync::Mutex<Option<Connected>>,
-}
-
-#[cfg(any(feature = "amqp", feature = "nats"))]
-impl BrokerPublisher {
-    async fn connect(&self) -> Result<Connected, idem::consumer::PublishError> {
-        use idem::consumer::PublishError;
-        let connecting = async {
-            match &self.broker {
-                #[cfg(feature = "amqp")]
-                Broker::Amqp { url, exchange } => {
-                    let p = idem::consumer::amqp::AmqpPublisher::connect(url).await?;
-                    let p = match exchange {
-                        Some(x) => p.to_exchange(x).await?,
-                        None => p,
-                    };
-                    Ok(Connected::Amqp(p))
-                }
-                #[cfg(feature = "nats")]
-                Broker::Nats { url, stream } => Ok(Connected::Nats(
-                    idem::consumer::nats::NatsPublisher::connect(url, stream).await?,
-                )),
-            }
-        };
-        match tokio::time::timeout(fail::CONNECT_TIMEOUT, connecting).await {
-            Ok(connected) => connected,
-            Err(_) => {
-                let (broker, url) = match &self.broker {
-                    #[cfg(feature = "amqp")]
-                    Broker::Amqp { url, .. } => ("amqp", url),
-                    #[cfg(feature = "nats")]
-                    Broker::Nats { url, .. } => ("nats", url),
-                };
-                Err(PublishError::Connect {
-                    broker,
-                    target: idem::redact(url),
-                    source: Box::new(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no answer within {} s", fail::CONNECT_TIMEOUT.as_secs()),
-                    )),
-                })
-            }
-        }
-    }
-}
-
-#[cfg(any(feature = "amqp", feature = "nats"))]
-impl idem::Publisher for BrokerPublisher {
-    type Error = idem::consumer::PublishError;
-
-    async fn publish(&self, message: &idem::core::runs::OutboxRow) -> Result<(), Self::Error> {
-        let mut slot = self.connected.lock().await;
-        if slot.is_none() {
-            *slot = Some(self.connect().await?);
-        }
-        let published = match slot.as_ref() {
-            #[cfg(feature = "amqp")]
-            Some(Connected::Amqp(p)) => p.publish(message).await,
-            #[cfg(feature = "nats")]
-            Some(Connected::Nats(p)) => p.publish(message).await,
-            None => return Ok(()),
-        };
-        if published.is_err() {
-            // The connection may be gone: the next message connects afresh.
-            if let Some(old) = slot.take() {
-                let _ = match old {
-                    #[cfg(feature = "amqp")]
-                    Connected::Amqp(p) => p.close().await,
-                    #[cfg(feature = "nats")]
-                    Connected::Nats(p) => p.close().await,
-                };
-            }
-        }
-        published
-    }
-}
-
-fn broker(args: &MaintainArgs) -> Result<Option<Broker>, Fail> {
-    let unbuilt = |feature: &str| {
-        Fail::new(
-            fail::INVALID_INPUT,
-            format!("this idem was built without the `{feature}` feature"),
-        )
+/// Without broker features, naming a broker is refused.
+#[cfg(not(any(feature = "amqp", feature = "nats")))]
+fn broker(args: &MaintainArgs) -> Result<Option<std::convert::Infallible>, Fail> {
+    let feature = match (&args.amqp, &args.nats) {
+        (Some(_), _) => "amqp",
+        (None, Some(_)) => "nats",
+        (None, None) => return Ok(None),
     };
-    if let Some(url) = &args.amqp {
-        #[cfg(feature = "amqp")]
-        return Ok(Some(Broker::Amqp {
-            url: url.clone(),
-            exchange: args.exchange.clone(),
-        }));
-        #[cfg(not(feature = "amqp"))]
-        {
-            let _ = url;
-            return Err(unbuilt("amqp"));
-        }
-    }
-    if let Some(url) = &args.nats {
-        #[cfg(feature = "nats")]
-        return Ok(Some(Broker::Nats {
-            url: url.clone(),
-            stream: args.stream.clone(),
-        }));
-        #[cfg(not(feature = "nats"))]
-        {
-            let _ = url;
-            return Err(unbuilt("nats"));
-        }
-    }
-    let _ = unbuilt;
-    Ok(None)
+    Err(Fail::new(
+        fail::INVALID_INPUT,
+        format!("this idem was built without the `{feature}` feature"),
+    ))
 }
 
 fn now_ms() -> u64 {
@@ -480,20 +366,18 @@ where
         plan.push("report stalled runs (none is touched)".to_owned());
     }
     #[cfg(any(feature = "amqp", feature = "nats"))]
-    if let Some(broker) = broker.clone() {
-        let publisher = BrokerPublisher {
-            broker,
-            connected: tokio::sync::Mutex::new(None),
-        };
+    if let Some(target) = broker {
         maintainer = maintainer.with_task(
-            maintain::Relay::new(publisher)
+            maintain::Relay::new(crate::relay::Reconnecting::new(target))
                 .batch(args.relay_batch)
                 .passes(args.relay_passes),
         );
         plan.push("relay".to_owned());
     }
     #[cfg(not(any(feature = "amqp", feature = "nats")))]
-    let _ = &broker;
+    if let Some(never) = broker {
+        match never {}
+    }
     if !args.no_purge {
         maintainer = maintainer.with_task(
             Purge::new()

@@ -82,9 +82,10 @@ pub(crate) struct RelayArgs {
     interval_ms: u64,
 }
 
-/// Where to publish, to (re)connect.
+/// Where outbox messages go (RabbitMQ or NATS JetStream), to connect and reconnect:
+/// shared by `idem relay` and `idem maintain`.
 #[derive(Debug, Clone)]
-enum Target {
+pub(crate) enum Target {
     #[cfg(feature = "amqp")]
     Amqp {
         url: String,
@@ -96,7 +97,7 @@ enum Target {
 
 /// The broker's publisher.
 #[derive(Debug)]
-enum AnyPublisher {
+pub(crate) enum AnyPublisher {
     #[cfg(feature = "amqp")]
     Amqp(idem::consumer::amqp::AmqpPublisher),
     #[cfg(feature = "nats")]
@@ -128,64 +129,90 @@ impl AnyPublisher {
 }
 
 impl Target {
-    fn from_args(args: &RelayArgs) -> Result<Self, Fail> {
+    /// The broker a command's options name: `None` when neither `--amqp` nor `--nats`
+    /// was given; an error when the option's feature was not built in.
+    pub(crate) fn from_options(
+        amqp: Option<&str>,
+        exchange: Option<&str>,
+        nats: Option<&str>,
+        stream: &str,
+    ) -> Result<Option<Self>, Fail> {
         let unbuilt = |feature: &str| {
             Fail::new(
                 fail::INVALID_INPUT,
                 format!("this idem was built without the `{feature}` feature"),
             )
         };
-        if let Some(url) = &args.amqp {
+        if let Some(url) = amqp {
             #[cfg(feature = "amqp")]
-            return Ok(Self::Amqp {
-                url: url.clone(),
-                exchange: args.exchange.clone(),
-            });
+            return Ok(Some(Self::Amqp {
+                url: url.to_owned(),
+                exchange: exchange.map(str::to_owned),
+            }));
             #[cfg(not(feature = "amqp"))]
             {
-                let _ = url;
+                let _ = (url, exchange);
                 return Err(unbuilt("amqp"));
             }
         }
-        if let Some(url) = &args.nats {
+        if let Some(url) = nats {
             #[cfg(feature = "nats")]
-            return Ok(Self::Nats {
-                url: url.clone(),
-                stream: args.stream.clone(),
-            });
+            return Ok(Some(Self::Nats {
+                url: url.to_owned(),
+                stream: stream.to_owned(),
+            }));
             #[cfg(not(feature = "nats"))]
             {
-                let _ = url;
+                let _ = (url, stream);
                 return Err(unbuilt("nats"));
             }
         }
-        let _ = unbuilt;
-        Err(Fail::new(
-            fail::INVALID_INPUT,
-            "give --amqp URL or --nats URL",
-        ))
+        let _ = (unbuilt, exchange, stream);
+        Ok(None)
+    }
+
+    fn from_args(args: &RelayArgs) -> Result<Self, Fail> {
+        Self::from_options(
+            args.amqp.as_deref(),
+            args.exchange.as_deref(),
+            args.nats.as_deref(),
+            &args.stream,
+        )?
+        .ok_or_else(|| Fail::new(fail::INVALID_INPUT, "give --amqp URL or --nats URL"))
+    }
+
+    /// The broker's name and URL, for messages.
+    fn describe(&self) -> (&'static str, &str) {
+        match self {
+            #[cfg(feature = "amqp")]
+            Self::Amqp { url, .. } => ("amqp", url),
+            #[cfg(feature = "nats")]
+            Self::Nats { url, .. } => ("nats", url),
+        }
+    }
+
+    /// Connects once, without a bound of its own.
+    async fn connect_once(&self) -> Result<AnyPublisher, PublishError> {
+        match self {
+            #[cfg(feature = "amqp")]
+            Self::Amqp { url, exchange } => {
+                let p = idem::consumer::amqp::AmqpPublisher::connect(url).await?;
+                let p = match exchange {
+                    Some(x) => p.to_exchange(x).await?,
+                    None => p,
+                };
+                Ok(AnyPublisher::Amqp(p))
+            }
+            #[cfg(feature = "nats")]
+            Self::Nats { url, stream } => Ok(AnyPublisher::Nats(
+                idem::consumer::nats::NatsPublisher::connect(url, stream).await?,
+            )),
+        }
     }
 
     /// Connects, giving up with exit code 8 after the usual connection timeout.
     async fn connect(&self) -> Result<AnyPublisher, Fail> {
-        let connecting = async {
-            match self {
-                #[cfg(feature = "amqp")]
-                Self::Amqp { url, exchange } => {
-                    let p = idem::consumer::amqp::AmqpPublisher::connect(url).await?;
-                    let p = match exchange {
-                        Some(x) => p.to_exchange(x).await?,
-                        None => p,
-                    };
-                    Ok(AnyPublisher::Amqp(p))
-                }
-                #[cfg(feature = "nats")]
-                Self::Nats { url, stream } => Ok(AnyPublisher::Nats(
-                    idem::consumer::nats::NatsPublisher::connect(url, stream).await?,
-                )),
-            }
-        };
-        match tokio::time::timeout(fail::CONNECT_TIMEOUT, connecting).await {
+        match tokio::time::timeout(fail::CONNECT_TIMEOUT, self.connect_once()).await {
             Ok(connected) => connected.map_err(publish_fail),
             Err(_) => Err(Fail::new(
                 fail::TIMED_OUT,
@@ -195,6 +222,59 @@ impl Target {
                 ),
             )),
         }
+    }
+}
+
+/// A publisher that connects on first use and again after a failed publish (the broker
+/// restarted), so a long-running loop (`idem maintain`) keeps relaying without a restart.
+#[derive(Debug)]
+pub(crate) struct Reconnecting {
+    target: Target,
+    connected: tokio::sync::Mutex<Option<AnyPublisher>>,
+}
+
+impl Reconnecting {
+    /// Connects lazily to `target`.
+    pub(crate) fn new(target: Target) -> Self {
+        Self {
+            target,
+            connected: tokio::sync::Mutex::new(None),
+        }
+    }
+}
+
+impl Publisher for Reconnecting {
+    type Error = PublishError;
+
+    async fn publish(&self, message: &OutboxRow) -> Result<(), PublishError> {
+        let mut slot = self.connected.lock().await;
+        let publisher = match slot.take() {
+            Some(p) => p,
+            None => match tokio::time::timeout(fail::CONNECT_TIMEOUT, self.target.connect_once())
+                .await
+            {
+                Ok(connected) => connected?,
+                Err(_) => {
+                    let (broker, url) = self.target.describe();
+                    return Err(PublishError::Connect {
+                        broker,
+                        target: idem::redact(url),
+                        source: Box::new(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("no answer within {} s", fail::CONNECT_TIMEOUT.as_secs()),
+                        )),
+                    });
+                }
+            },
+        };
+        let published = publisher.publish(message).await;
+        if published.is_ok() {
+            *slot = Some(publisher);
+        } else {
+            // The connection may be gone: the next message connects afresh.
+            publisher.close().await;
+        }
+        published
     }
 }
 
