@@ -6,8 +6,8 @@
 # broker consumer tests (RabbitMQ and NATS JetStream, required unless IDEM_BROKERS=0) on each
 # required engine, the external-effect tests (outbox relays, the card charge under SIGKILLs),
 # the maintenance loop (three `idem maintain` processes per engine, the runner SIGKILLed),
-# and the README's walkthrough on each required engine. It starts only the servers these
-# steps need.
+# the README's walkthrough on each required engine, and the runnable examples (examples/)
+# against their engines and brokers. It starts only the servers these steps need.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -265,6 +265,11 @@ if [ -n "$(ls -A "$demo_dir")" ]; then
   echo "the demo left files behind: $(ls -A "$demo_dir")" >&2
   exit 1
 fi
+
+# The runnable examples (examples/, docs/ and the README link to them): each against its
+# engine or broker, those not selected by IDEM_ENGINES / IDEM_BROKERS skipped by name.
+step "examples: each run against its engine or broker (ci/examples.sh)"
+IDEM_ENGINES="$IDEM_ENGINES" IDEM_BROKERS="$IDEM_BROKERS" ci/examples.sh
 
 step "criterion benchmarks in test mode (each benchmark once, nothing timed)"
 cargo test --locked -p idem-cli --benches
