@@ -38,11 +38,11 @@ rm -rf "$CARGO_HOME"/registry/src/-* "$build/package" \
   "$build"/debug/.fingerprint/idem-* "$build"/debug/deps/*idem_* "$build"/debug/build/idem-*
 
 step "cargo package (every publishable crate, verified, in dependency order)"
-CARGO_TARGET_DIR="$build" cargo package --locked --workspace --exclude idem-tests
+CARGO_TARGET_DIR="$build" cargo package --locked --workspace --exclude idem-tests --exclude idem-examples
 crates=("$build"/package/*.crate)
 
 step "cargo publish --dry-run (same set; nothing is uploaded)"
-CARGO_TARGET_DIR="$build" cargo publish --dry-run --locked --workspace --exclude idem-tests
+CARGO_TARGET_DIR="$build" cargo publish --dry-run --locked --workspace --exclude idem-tests --exclude idem-examples
 
 step "a registry user's program against the unpacked packages alone"
 mkdir -p "$work/unpacked" "$work/user/src"
