@@ -3,7 +3,8 @@
 #  1. `cargo package` of every publishable crate, in dependency order; cargo verifies each
 #     one by building it from its own package, with the packages of its idem siblings
 #     served from a local registry (none is on crates.io yet), so no --no-verify is needed;
-#  2. `cargo publish --dry-run` of the same set (nothing is uploaded);
+#  2. `cargo publish --dry-run` of the same set (nothing is uploaded; --no-verify, as step 1
+#     has just built these very packages);
 #  3. a registry user's program: the facade's README example, built and run against the
 #     unpacked .crate files alone (a [patch.crates-io] per package), every feature on.
 # Run by ci/test.sh; runnable alone: ci/package.sh
@@ -41,8 +42,8 @@ step "cargo package (every publishable crate, verified, in dependency order)"
 CARGO_TARGET_DIR="$build" cargo package --locked --workspace --exclude idem-tests --exclude idem-examples
 crates=("$build"/package/*.crate)
 
-step "cargo publish --dry-run (same set; nothing is uploaded)"
-CARGO_TARGET_DIR="$build" cargo publish --dry-run --locked --workspace --exclude idem-tests --exclude idem-examples
+step "cargo publish --dry-run (same set; nothing is uploaded; verified by the step above)"
+CARGO_TARGET_DIR="$build" cargo publish --dry-run --no-verify --locked --workspace --exclude idem-tests --exclude idem-examples
 
 step "a registry user's program against the unpacked packages alone"
 mkdir -p "$work/unpacked" "$work/user/src"

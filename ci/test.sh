@@ -26,7 +26,25 @@ IDEM_ENGINES=${IDEM_ENGINES:-"sqlite postgres mysql"}
 IDEM_BROKERS=${IDEM_BROKERS:-1}
 IDEM_CLUSTERS=${IDEM_CLUSTERS:-1}
 
-step() { printf '\n==> [%ss] %s\n' "$SECONDS" "$*"; }
+# Each step's start; the summary at the end says how long each took (the run must stay
+# well inside CI's limit).
+steps=()
+step() {
+  steps+=("$SECONDS $*")
+  printf '\n==> [%ss] %s\n' "$SECONDS" "$*"
+}
+summary() {
+  local i start next name
+  printf '\n==> step durations (s)\n'
+  for ((i = 0; i < ${#steps[@]}; i++)); do
+    start=${steps[i]%% *}
+    name=${steps[i]#* }
+    if ((i + 1 < ${#steps[@]})); then next=${steps[i + 1]%% *}; else next=$SECONDS; fi
+    printf '%6s  %s\n' "$((next - start))" "$name"
+  done
+  printf '%6s  total\n' "$SECONDS"
+}
+trap summary EXIT
 wants() { [[ " $IDEM_ENGINES " == *" $1 "* ]]; }
 brokers() { [ "$IDEM_BROKERS" = 1 ]; }
 clusters() { [ "$IDEM_CLUSTERS" = 1 ]; }
@@ -249,8 +267,11 @@ else
 fi
 
 step "the README's walkthrough"
+# The binary with every feature (the steps above left it so; an earlier step with fewer
+# features would have rebuilt it without `idem bench`).
+cargo build --locked -p idem-cli --all-features
 demo_dir=$(mktemp -d)
-trap 'rm -rf "$demo_dir"' EXIT
+trap 'rm -rf "$demo_dir"; summary' EXIT
 idem="$PWD/target/debug/idem"
 (cd "$demo_dir" && "$idem" demo)
 if wants postgres; then
@@ -272,11 +293,11 @@ step "examples: each run against its engine or broker (ci/examples.sh)"
 IDEM_ENGINES="$IDEM_ENGINES" IDEM_BROKERS="$IDEM_BROKERS" ci/examples.sh
 
 step "criterion benchmarks in test mode (each benchmark once, nothing timed)"
-cargo test --locked -p idem-cli --benches
+cargo test --locked -p idem-cli --all-features --benches
 
 step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation)"
 bench_dir=$(mktemp -d)
-trap 'rm -rf "$demo_dir" "$bench_dir"' EXIT
+trap 'rm -rf "$demo_dir" "$bench_dir"; summary' EXIT
 smoke=(bench --clients 1,2 --duration 200ms --rounds 1)
 (cd "$bench_dir" && "$idem" --url sqlite://bench.db "${smoke[@]}" --json sqlite.json >/dev/null)
 charted=(--with "$bench_dir/sqlite.json")
