@@ -27,6 +27,7 @@ cargo +"$msrv" check --locked --no-default-features \
     idem-cli/sqlite idem-cli/mysql idem-cli/mssql idem-cli/oracle idem-cli/amqp idem-cli/nats
     idem-cli/http idem-cli/bench"
 
-printf -- '-- rustc %s: idem-postgres and every crate with all features\n' "$pg_msrv"
-cargo +"$pg_msrv" check --locked --all-features \
-  -p idem-postgres -p idem-db -p idem-conformance -p idem-cli
+# The other crates' postgres features only route to idem-postgres (their code is checked by
+# the step above); what needs the newer compiler is sqlx, through idem-postgres.
+printf -- '-- rustc %s: idem-postgres, and the facade with its postgres feature\n' "$pg_msrv"
+cargo +"$pg_msrv" check --locked -p idem-postgres -p idem-db --no-default-features --features idem-db/postgres

@@ -75,7 +75,7 @@ cargo fmt --all --check
 step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
 
-step "feature combinations: each engine and integration alone, the CLI's lean default, full (ci/features.sh)"
+step "feature combinations: the facade with each engine and integration alone, the CLI lean and per engine (ci/features.sh)"
 ci/features.sh
 
 step "minimum Rust versions: 1.88, and 1.94 for PostgreSQL (ci/msrv.sh)"
