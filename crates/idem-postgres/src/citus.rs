@@ -7,10 +7,7 @@
 //! - `idem_request_result` and `idem_run` are distributed by `principal`, and
 //!   `idem_processed_message` by `subscriber`, all three in one co-location group
 //!   (`colocate_with` `idem_request_result`; the first joins Citus's default group for
-//!   `text` columns, where your own tables distributed by a `text` principal are, when
-//!   their distribution columns are `COLLATE "C"` like idem's keys; otherwise Citus
-//!   refuses to co-locate them and the first starts a group of its own, which
-//!   [`Placement::own_group`] and `idem migrate --distribute-citus` say).
+//!   `text` columns, where your own tables distributed by a `text` principal are).
 //!   Every protocol statement on them is keyed by the full primary key.
 //! - `idem_outbox` stays on the coordinator as a **Citus local table**
 //!   (`citus_add_local_table_to_metadata`). The relay reads the oldest unsent messages
@@ -145,11 +142,6 @@ pub struct Placement {
     pub placed: Placed,
     /// Whether it was placed so before this call.
     pub already: bool,
-    /// `idem_request_result` only: placed in a co-location group of its own, because
-    /// Citus's default group for `text` columns holds tables whose distribution column has
-    /// another collation than idem's `COLLATE "C"` keys (Citus co-locates only columns of
-    /// one collation). `false` when it joined the default group, or was placed before.
-    pub own_group: bool,
 }
 
 impl fmt::Display for Placement {
@@ -158,13 +150,6 @@ impl fmt::Display for Placement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let already = if self.already { "already " } else { "" };
         match &self.placed {
-            Placed::Distributed { column } if self.table == ANCHOR && self.own_group => write!(
-                f,
-                "{}: {already}distributed by {column}, in a co-location group of its own \
-                 (the default group's distribution columns have another collation than \
-                 idem's COLLATE \"C\" keys)",
-                self.table
-            ),
             Placed::Distributed { column } if self.table == ANCHOR => {
                 write!(f, "{}: {already}distributed by {column}", self.table)
             }
@@ -347,7 +332,6 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
         }
     };
     let mut placed = Vec::new();
-    let mut own_group = false;
     for (table, column, name, already) in plan {
         if !already {
             let colocate_with = if table == ANCHOR {
@@ -355,37 +339,18 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
             } else {
                 regclass(conn, ANCHOR).await?
             };
-            let first = sqlx::query(DISTRIBUTE)
+            sqlx::query(DISTRIBUTE)
                 .bind(&name)
                 .bind(column)
-                .bind(&colocate_with)
+                .bind(colocate_with)
                 .execute(&mut *conn)
-                .await;
-            match first {
-                Ok(_) => {}
-                // The default group holds columns of another collation (ordinary `text`
-                // tables of the user's; Citus's detail: "Distribution column collations
-                // don't match"): idem's anchor then starts its own group.
-                Err(sqlx::Error::Database(e))
-                    if table == ANCHOR && e.message().starts_with("cannot colocate tables") =>
-                {
-                    sqlx::query(DISTRIBUTE)
-                        .bind(&name)
-                        .bind(column)
-                        .bind("none")
-                        .execute(&mut *conn)
-                        .await
-                        .map_err(db_error)?;
-                    own_group = true;
-                }
-                Err(e) => return Err(db_error(e)),
-            }
+                .await
+                .map_err(db_error)?;
         }
         placed.push(Placement {
             table,
             placed: Placed::Distributed { column },
             already,
-            own_group: table == ANCHOR && own_group,
         });
     }
     let (kind, already) = match outbox_now {
@@ -399,13 +364,11 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
         table: COORDINATOR_LOCAL,
         placed: kind,
         already,
-        own_group: false,
     });
     placed.push(Placement {
         table: "idem_schema_migrations",
         placed: Placed::PlainLocal,
         already: true,
-        own_group: false,
     });
     Ok(placed)
 }
@@ -568,7 +531,6 @@ mod tests {
                 table,
                 placed,
                 already,
-                own_group: false,
             }
             .to_string()
         };
@@ -591,20 +553,6 @@ mod tests {
                 true
             ),
             "idem_run: already distributed by principal, co-located with idem_request_result"
-        );
-        let own = Placement {
-            table: "idem_request_result",
-            placed: Placed::Distributed {
-                column: "principal",
-            },
-            already: false,
-            own_group: true,
-        };
-        assert!(
-            own.to_string().starts_with(
-                "idem_request_result: distributed by principal, in a co-location group of its own"
-            ),
-            "{own}"
         );
         assert!(
             line("idem_outbox", Placed::CoordinatorLocal, false)
