@@ -10,7 +10,8 @@
 //!   effect table co-located with the records: one effect per key, every reply equal.
 //! - `citus::purge_*`: the distributed purge over shards, the row-lock purge switching to
 //!   it, and a key taken over while a purge runs.
-//! - `citus::distribute_*`: the placement report, and outbox ids kept across it.
+//! - `citus::distribute_*`: the placement report, outbox ids kept across it, and
+//!   idem's co-location group apart from Citus's default one (your own tables').
 //! - `citus::later_migrations_run_on_distributed_tables`: the upgrade path.
 
 #![allow(clippy::unwrap_used)]
@@ -522,6 +523,70 @@ async fn distribute_keeps_outbox_ids(url: String) -> Res {
     result
 }
 
+/// idem's tables (keys `text COLLATE "C"`) and an application's own tables distributed
+/// the ordinary way (`text` keys of the database's collation, Citus's default
+/// co-location) coexist in either order: Citus refuses to put distribution columns of
+/// different collations in one co-location group, so idem's tables keep a group of
+/// their own, and a table co-located with them on purpose (`colocate_with =>
+/// 'idem_request_result'`, a `COLLATE "C"` key) joins it.
+async fn distribute_leaves_the_default_group_to_your_tables(url: String) -> Res {
+    let ns = namespace("colocation");
+    let bank = CitusBank::connect(&url, Some(&ns)).await.map_err(err)?;
+    let result = async {
+        let pool = bank.backend().pool().clone();
+        let run = |sql: &'static str| {
+            let pool = pool.clone();
+            async move {
+                sqlx::raw_sql(sql)
+                    .execute(&pool)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("{sql}: {e}"))
+            }
+        };
+        // Yours first, then idem's.
+        run("CREATE TABLE app_orders (customer text PRIMARY KEY, n int); \
+             SELECT create_distributed_table('app_orders', 'customer')")
+        .await?;
+        bank.backend().migrate().await.map_err(err)?;
+        bank.backend()
+            .distribute()
+            .await
+            .map_err(|e| format!("idem's tables after a table of yours: {e}"))?;
+        // Then yours again, after idem's.
+        run("CREATE TABLE app_invoices (customer text PRIMARY KEY, n int); \
+             SELECT create_distributed_table('app_invoices', 'customer')")
+        .await
+        .map_err(|e| format!("a table of yours after idem's: {e}"))?;
+        run("CREATE TABLE app_ledger (principal text COLLATE \"C\" NOT NULL, n int); \
+             SELECT create_distributed_table('app_ledger', 'principal', colocate_with => 'idem_request_result')")
+        .await?;
+        let groups: Vec<(String, i32)> = sqlx::query_as(
+            "SELECT logicalrelid::regclass::text, colocationid FROM pg_dist_partition \
+             WHERE logicalrelid IN ('app_orders'::regclass, 'app_invoices'::regclass, \
+             'app_ledger'::regclass, 'idem_request_result'::regclass, 'idem_run'::regclass) \
+             ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .map_err(err)?;
+        let group = |t: &str| groups.iter().find(|(n, _)| n == t).map(|(_, g)| *g);
+        ensure(
+            group("app_orders") == group("app_invoices")
+                && group("app_orders") != group("idem_request_result")
+                && group("idem_request_result") == group("idem_run")
+                && group("app_ledger") == group("idem_request_result")
+                && groups.len() == 5,
+            || format!("co-location groups: {groups:?}"),
+        )?;
+        println!("co-location groups: {groups:?}");
+        Ok(())
+    }
+    .await;
+    bank.close().await.map_err(err)?;
+    result
+}
+
 /// An install distributed at migration 3 takes the later migrations through Citus (the
 /// upgrade path: `idem migrate` of a newer idem on a distributed schema).
 async fn later_migrations_run_on_distributed_tables(url: String) -> Res {
@@ -600,6 +665,9 @@ fn main() -> ExitCode {
         }),
         ("distribute_keeps_outbox_ids", |u| {
             Box::pin(distribute_keeps_outbox_ids(u))
+        }),
+        ("distribute_leaves_the_default_group_to_your_tables", |u| {
+            Box::pin(distribute_leaves_the_default_group_to_your_tables(u))
         }),
         ("later_migrations_run_on_distributed_tables", |u| {
             Box::pin(later_migrations_run_on_distributed_tables(u))
