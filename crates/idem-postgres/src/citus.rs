@@ -8,11 +8,14 @@
 //!   `idem_processed_message` by `subscriber`, all three in one co-location group of
 //!   their own (`colocate_with => 'none'` for `idem_request_result`, the others with
 //!   it). Not Citus's default group for `text`: idem's keys are `text COLLATE "C"`, and
-//!   Citus refuses to mix collations in one group, so joining it would fail when an
-//!   ordinary `text`-keyed table of yours is there first, and make yours fail when
-//!   idem's came first. Co-locate a table with idem's on purpose (`colocate_with =>
-//!   'idem_request_result'`, a `COLLATE "C"` key). Every protocol statement on them is
-//!   keyed by the full primary key.
+//!   Citus refuses to mix collations in one group, so joining it failed when an ordinary
+//!   `text`-keyed table of yours was there first. (Citus before 14.0 records every
+//!   `text` group under the default collation, and `create_distributed_table`'s default
+//!   co-location joins the oldest such group with the same shard count: when idem's
+//!   group is the oldest, distribute your ordinary `text`-keyed tables with an explicit
+//!   `colocate_with`.) Co-locate a table with idem's on purpose with `colocate_with =>
+//!   'idem_request_result'` and a `COLLATE "C"` key. Every protocol statement on them
+//!   is keyed by the full primary key.
 //! - `idem_outbox` stays on the coordinator as a **Citus local table**
 //!   (`citus_add_local_table_to_metadata`). The relay reads the oldest unsent messages
 //!   with `FOR UPDATE SKIP LOCKED` and publishes them in order of one `id` sequence per
