@@ -10,7 +10,8 @@
 //!   effect table co-located with the records: one effect per key, every reply equal.
 //! - `citus::purge_*`: the distributed purge over shards, the row-lock purge switching to
 //!   it, and a key taken over while a purge runs.
-//! - `citus::distribute_*`: the placement report, and outbox ids kept across it.
+//! - `citus::distribute_*`: the placement report, outbox ids kept across it, and
+//!   idem's co-location group kept apart from your tables' and other installs'.
 //! - `citus::later_migrations_run_on_distributed_tables`: the upgrade path.
 
 #![allow(clippy::unwrap_used)]
@@ -522,6 +523,66 @@ async fn distribute_keeps_outbox_ids(url: String) -> Res {
     result
 }
 
+/// idem's tables (keys `text COLLATE "C"`) get a co-location group of their own: never
+/// one of your `text`-keyed tables' groups (Citus refuses to mix collations in one group,
+/// and before 14.0 it records every `text` group under the default collation, so
+/// joining "the default group" could pick any of them), nor another install's. Your
+/// table distributed before idem's stays apart, and one co-located with idem's on
+/// purpose (`colocate_with => 'idem_request_result'`, a `COLLATE "C"` key) joins them.
+async fn distribute_keeps_a_colocation_group_of_its_own(url: String) -> Res {
+    let ns = namespace("colocation");
+    let bank = CitusBank::connect(&url, Some(&ns)).await.map_err(err)?;
+    let result = async {
+        let pool = bank.backend().pool().clone();
+        let run = |sql: &'static str| {
+            let pool = pool.clone();
+            async move {
+                sqlx::raw_sql(sql)
+                    .execute(&pool)
+                    .await
+                    .map(drop)
+                    .map_err(|e| format!("{sql}: {e}"))
+            }
+        };
+        // Yours first (its own group: on Citus 13 a default one could be joined to
+        // another schema's idem tables, the very confusion this checks idem avoids).
+        run("CREATE TABLE app_orders (customer text PRIMARY KEY, n int); \
+             SELECT create_distributed_table('app_orders', 'customer', colocate_with => 'none')")
+        .await?;
+        bank.backend().migrate().await.map_err(err)?;
+        bank.backend()
+            .distribute()
+            .await
+            .map_err(|e| format!("idem's tables after a table of yours: {e}"))?;
+        run("CREATE TABLE app_ledger (principal text COLLATE \"C\" NOT NULL, n int); \
+             SELECT create_distributed_table('app_ledger', 'principal', colocate_with => 'idem_request_result')")
+        .await?;
+        let group: Vec<String> = sqlx::query_scalar(
+            "SELECT logicalrelid::regclass::text FROM pg_dist_partition WHERE colocationid = \
+             (SELECT colocationid FROM pg_dist_partition WHERE logicalrelid = 'idem_request_result'::regclass) \
+             ORDER BY 1",
+        )
+        .fetch_all(&pool)
+        .await
+        .map_err(err)?;
+        ensure(
+            group
+                == [
+                    "app_ledger",
+                    "idem_processed_message",
+                    "idem_request_result",
+                    "idem_run",
+                ],
+            || format!("idem_request_result's co-location group: {group:?}"),
+        )?;
+        println!("idem's co-location group: {group:?}");
+        Ok(())
+    }
+    .await;
+    bank.close().await.map_err(err)?;
+    result
+}
+
 /// An install distributed at migration 3 takes the later migrations through Citus (the
 /// upgrade path: `idem migrate` of a newer idem on a distributed schema).
 async fn later_migrations_run_on_distributed_tables(url: String) -> Res {
@@ -600,6 +661,9 @@ fn main() -> ExitCode {
         }),
         ("distribute_keeps_outbox_ids", |u| {
             Box::pin(distribute_keeps_outbox_ids(u))
+        }),
+        ("distribute_keeps_a_colocation_group_of_its_own", |u| {
+            Box::pin(distribute_keeps_a_colocation_group_of_its_own(u))
         }),
         ("later_migrations_run_on_distributed_tables", |u| {
             Box::pin(later_migrations_run_on_distributed_tables(u))

@@ -11,9 +11,10 @@
 //!   an async worker thread: a [`Lease`] hands its connection to the blocking pool for
 //!   each [`Lease::run`];
 //! - a connection left inside a transaction (a cancelled call, a panicking effect, an
-//!   error path) is rolled back by [`Manager::reset`] at its next checkout (on the
-//!   blocking pool), and thrown away when that fails or the session is not
-//!   [`reusable`](Manager::reusable);
+//!   error path), or with a session setting a lease changed and never gave back
+//!   ([`Manager::altered`]: Oracle's call timeout, when a claim's future is dropped), is
+//!   reset by [`Manager::reset`] at its next checkout (on the blocking pool), and thrown
+//!   away when that fails or the session is not [`reusable`](Manager::reusable);
 //! - returning a lease does no I/O: whether the connection is clean is noted after each
 //!   `run`, on the blocking thread, and only a connection that is not clean costs a
 //!   round trip, at the next checkout;
@@ -92,10 +93,20 @@ pub trait Manager: Send + Sync + 'static {
         true
     }
 
-    /// Ends the transaction a lease left open (a rollback), so the connection can be
-    /// reused; `false` when that failed, and the connection is then thrown away (the
-    /// driver closes it on drop, which rolls back on the server). Runs on the blocking
-    /// pool at the connection's next checkout. The default returns `false`.
+    /// Whether a lease changed a session setting of `conn` and did not give it back
+    /// (Oracle: the call timeout a claim sets, when the claim's future was dropped before
+    /// it restored it), so that [`Manager::reset`] must run before the connection is
+    /// reused. A client-side check, no round trip; runs on the blocking pool after every
+    /// [`Lease::run`]. `false` by default.
+    fn altered(&self, _conn: &Self::Connection) -> bool {
+        false
+    }
+
+    /// Ends the transaction a lease left open (a rollback) and gives back the session
+    /// settings it changed ([`Manager::altered`]), so the connection can be reused;
+    /// `false` when that failed, and the connection is then thrown away (the driver
+    /// closes it on drop, which rolls back on the server). Runs on the blocking pool at
+    /// the connection's next checkout. The default returns `false`.
     fn reset(&self, _conn: &Self::Connection) -> bool {
         false
     }
@@ -185,7 +196,8 @@ impl<M: Manager> managed::Manager for Adapter<M> {
         let reset = obj
             .interact(move |conn, clean| {
                 let ok = manager.reusable(conn)
-                    && (!manager.in_transaction(conn) || manager.reset(conn));
+                    && (!(manager.in_transaction(conn) || manager.altered(conn))
+                        || manager.reset(conn));
                 clean.store(ok, Ordering::Release);
                 ok
             })
@@ -193,7 +205,8 @@ impl<M: Manager> managed::Manager for Adapter<M> {
         match reset {
             Ok(Some(true)) => Ok(()),
             _ => Err(RecycleError::message(
-                "left inside a transaction that could not be rolled back, broken, or lost to a                  panic",
+                "left inside a transaction or with a changed session setting that could not be \
+                 reset, broken, or lost to a panic",
             )),
         }
     }
@@ -368,7 +381,9 @@ impl<M: Manager> Lease<M> {
                 // Unclean until proven otherwise: a panic of `f` leaves it so.
                 clean.store(false, Ordering::Release);
                 let out = f(conn);
-                let ok = manager.reusable(conn) && !manager.in_transaction(conn);
+                let ok = manager.reusable(conn)
+                    && !manager.in_transaction(conn)
+                    && !manager.altered(conn);
                 clean.store(ok, Ordering::Release);
                 out
             })
@@ -437,6 +452,8 @@ mod tests {
     struct FakeConn {
         id: usize,
         in_tx: AtomicBool,
+        /// A session setting changed and not given back (Oracle's call timeout).
+        altered: AtomicBool,
         healthy: AtomicBool,
         stats: Arc<Stats>,
     }
@@ -460,6 +477,7 @@ mod tests {
             Ok(FakeConn {
                 id: self.stats.opens.fetch_add(1, SeqCst) + 1,
                 in_tx: AtomicBool::new(false),
+                altered: AtomicBool::new(false),
                 healthy: AtomicBool::new(true),
                 stats: Arc::clone(&self.stats),
             })
@@ -473,12 +491,17 @@ mod tests {
             conn.healthy.load(SeqCst)
         }
 
+        fn altered(&self, conn: &FakeConn) -> bool {
+            conn.altered.load(SeqCst)
+        }
+
         fn reset(&self, conn: &FakeConn) -> bool {
             self.stats.note_thread();
             std::thread::sleep(self.delay);
             self.stats.resets.fetch_add(1, SeqCst);
             if self.can_reset {
                 conn.in_tx.store(false, SeqCst);
+                conn.altered.store(false, SeqCst);
             }
             self.can_reset
         }
@@ -618,6 +641,47 @@ mod tests {
         assert_eq!(stats.get(), (1, 0, 0), "no I/O when the lease is dropped");
         assert_eq!(which(&pool).await, (1, false), "reset, then reused");
         assert_eq!(stats.get(), (1, 1, 0));
+    }
+
+    /// A lease dropped after it changed a session setting and before it gave it back
+    /// (Oracle: a claim cancelled once it set the call timeout, before any statement
+    /// opened a transaction) comes back with the change; the pool resets it at the
+    /// next checkout, so the next caller does not inherit it.
+    #[tokio::test]
+    async fn a_session_setting_left_changed_is_reset_before_reuse() {
+        let (pool, stats) = pool(1, true);
+        let mut lease = pool.lease().await.expect("lease");
+        lease.run(|c| c.altered.store(true, SeqCst)).await;
+        drop(lease);
+        assert_eq!(stats.get(), (1, 0, 0), "no I/O when the lease is dropped");
+        let mut lease = pool.lease().await.expect("lease");
+        let seen = lease.run(|c| (c.id, c.altered.load(SeqCst))).await;
+        assert_eq!(
+            seen,
+            (1, false),
+            "the same connection, its setting given back"
+        );
+        assert_eq!(stats.get(), (1, 1, 0), "one reset");
+        drop(lease);
+
+        // A setting changed and given back inside the lease costs nothing.
+        let mut lease = pool.lease().await.expect("lease");
+        lease.run(|c| c.altered.store(true, SeqCst)).await;
+        lease.run(|c| c.altered.store(false, SeqCst)).await;
+        drop(lease);
+        assert_eq!(which(&pool).await, (1, false));
+        assert_eq!(stats.get(), (1, 1, 0), "no second reset");
+    }
+
+    #[tokio::test]
+    async fn a_session_setting_that_cannot_be_given_back_throws_the_connection_away() {
+        let (pool, stats) = pool(1, false);
+        let mut lease = pool.lease().await.expect("lease");
+        lease.run(|c| c.altered.store(true, SeqCst)).await;
+        drop(lease);
+        assert_eq!(which(&pool).await, (2, false), "a fresh connection");
+        settle(&stats, 1).await;
+        assert_eq!(stats.get(), (2, 1, 1), "the first one was dropped");
     }
 
     #[tokio::test]

@@ -22,7 +22,9 @@
 //! the connection's **call timeout** (`Connection::set_call_timeout`, ODPI-C's
 //! `dpiConn_setCallTimeout`) set to [`Claim::wait`] (whole milliseconds, at least 1)
 //! and restored to the connection's previous value right after the claim, so the effect
-//! is not bounded by it. A claim round trip still waiting when it elapses is cancelled
+//! is not bounded by it. A claim whose future is dropped before that (a caller's
+//! timeout, a cancelled request) hands its connection back with the call timeout still
+//! set: the pool clears it (and rolls back) before the connection's next use. A claim round trip still waiting when it elapses is cancelled
 //! (DPI-1067, ORA-03156); the backend rolls back and answers [`Claimed::InFlight`]
 //! (idem's `Error::InProgress`, not retried). If ODPI-C could not clean the connection
 //! up, the rollback fails and the pool closes the connection. Not verified live.
@@ -174,9 +176,12 @@ const ALREADY_EXISTS: &[i32] = &[
 
 /// What the pool needs to open connections, and Oracle's checks for it: a connection is
 /// reused as it is when it has no open transaction (the `TransactionInProgress`
-/// attribute, no round trip), after a rollback (on the blocking pool, at its next
-/// checkout) when it has one, and thrown away (closed, which rolls back) when its
-/// session is dead or the rollback fails.
+/// attribute, no round trip) and no call timeout; when it has either (a claim or
+/// `Idem::start` whose future was dropped before it restored the call timeout it set),
+/// its call timeout is cleared and its transaction rolled back on the blocking pool at
+/// its next checkout; it is thrown away (closed, which rolls back) when its session is
+/// dead or that reset fails. Connections are opened without a call timeout, so a pooled
+/// connection is always handed out without one.
 struct Oracle {
     options: ConnectOptions,
 }
@@ -197,9 +202,21 @@ impl Manager for Oracle {
         is_healthy(conn)
     }
 
-    fn reset(&self, conn: &Connection) -> bool {
-        conn.rollback().is_ok()
+    fn altered(&self, conn: &Connection) -> bool {
+        call_timeout_left(conn.call_timeout())
     }
+
+    fn reset(&self, conn: &Connection) -> bool {
+        // Clearing the call timeout is client-side (no round trip); the rollback is one.
+        conn.set_call_timeout(None).is_ok() && (!has_transaction(conn) || conn.rollback().is_ok())
+    }
+}
+
+/// Whether a connection's call timeout (as `Connection::call_timeout` reads it, client
+/// side) is other than the none it was opened with; unknown counts as set, so the pool
+/// clears it.
+fn call_timeout_left(timeout: oracle::Result<Option<Duration>>) -> bool {
+    !matches!(timeout, Ok(None))
 }
 
 /// An idem backend on an Oracle database, with a small pool of connections.
@@ -952,6 +969,21 @@ mod tests {
         }
         assert!(!tables.contains("VARCHAR2"), "no character key columns");
         assert!(tables.contains("DEFAULT SYS_EXTRACT_UTC(SYSTIMESTAMP)"));
+    }
+
+    /// The pool's check after every call: a call timeout left set (a claim or
+    /// `Idem::start` cancelled before restoring it), or one it cannot read, makes the
+    /// connection reset (cleared, rolled back) before its next use; the none a connection
+    /// is opened with does not. Offline: no Oracle server here, not verified live.
+    #[test]
+    fn a_call_timeout_left_on_a_connection_is_reset_by_the_pool() {
+        assert!(!call_timeout_left(Ok(None)));
+        assert!(call_timeout_left(Ok(Some(Duration::from_millis(1)))));
+        assert!(call_timeout_left(Ok(Some(call_timeout_for(
+            Duration::from_secs(5)
+        )))));
+        let unreadable = oracle::Error::new(oracle::ErrorKind::InternalError, "no handle");
+        assert!(call_timeout_left(Err(unreadable)));
     }
 
     #[test]

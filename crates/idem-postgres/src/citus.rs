@@ -5,10 +5,17 @@
 //! and routes a statement keyed by it to one shard. So:
 //!
 //! - `idem_request_result` and `idem_run` are distributed by `principal`, and
-//!   `idem_processed_message` by `subscriber`, all three in one co-location group
-//!   (`colocate_with` `idem_request_result`; the first joins Citus's default group for
-//!   `text` columns, where your own tables distributed by a `text` principal are).
-//!   Every protocol statement on them is keyed by the full primary key.
+//!   `idem_processed_message` by `subscriber`, all three in one co-location group of
+//!   their own (`colocate_with => 'none'` for `idem_request_result`, the others with
+//!   it). Not Citus's default group for `text`: idem's keys are `text COLLATE "C"`, and
+//!   Citus refuses to mix collations in one group, so joining it failed when an ordinary
+//!   `text`-keyed table of yours was there first. (Citus before 14.0 records every
+//!   `text` group under the default collation, and `create_distributed_table`'s default
+//!   co-location joins the oldest such group with the same shard count: when idem's
+//!   group is the oldest, distribute your ordinary `text`-keyed tables with an explicit
+//!   `colocate_with`.) Co-locate a table with idem's on purpose with `colocate_with =>
+//!   'idem_request_result'` and a `COLLATE "C"` key. Every protocol statement on them
+//!   is keyed by the full primary key.
 //! - `idem_outbox` stays on the coordinator as a **Citus local table**
 //!   (`citus_add_local_table_to_metadata`). The relay reads the oldest unsent messages
 //!   with `FOR UPDATE SKIP LOCKED` and publishes them in order of one `id` sequence per
@@ -56,7 +63,8 @@ pub(crate) const TABLE_NAME: &str = "SELECT to_regclass($1)::text";
 pub(crate) const PLACEMENT: &str = "SELECT partmethod::text, repmodel::text, \
      CASE WHEN partmethod = 'h' THEN column_to_column_name(logicalrelid, partkey) END, \
      colocationid FROM pg_dist_partition WHERE logicalrelid = $1::regclass";
-/// Params: table, distribution column, table to co-locate with (or `default`).
+/// Params: table, distribution column, table to co-locate with (or `none`: a group of
+/// its own).
 pub(crate) const DISTRIBUTE: &str =
     "SELECT create_distributed_table($1::regclass, $2, colocate_with => $3)";
 /// Params: table.
@@ -335,7 +343,7 @@ async fn distribute_on(conn: &mut PgConnection) -> Result<Vec<Placement>, DbErro
     for (table, column, name, already) in plan {
         if !already {
             let colocate_with = if table == ANCHOR {
-                "default".to_owned()
+                "none".to_owned()
             } else {
                 regclass(conn, ANCHOR).await?
             };

@@ -25,6 +25,18 @@ pub const INVALID_AUTHORIZATION_SPECIFICATION: &str = "28000";
 pub const INVALID_CATALOG_NAME: &str = "3D000";
 /// `invalid_parameter_value`: what a server-side function raises for a reused key.
 pub const INVALID_PARAMETER_VALUE: &str = "22023";
+/// `admin_shutdown`: the server ended this session (`pg_terminate_backend`, a fast or
+/// immediate shutdown); the connection is gone.
+pub const ADMIN_SHUTDOWN: &str = "57P01";
+/// `crash_shutdown`: another backend crashed and the server is resetting every
+/// session; the connection is gone.
+pub const CRASH_SHUTDOWN: &str = "57P02";
+/// `cannot_connect_now`: the server is starting up, shutting down or in recovery and
+/// refuses new connections.
+pub const CANNOT_CONNECT_NOW: &str = "57P03";
+/// `idle_session_timeout`: the server closed a session idle longer than
+/// `idle_session_timeout`; the connection is gone.
+pub const IDLE_SESSION_TIMEOUT: &str = "57P05";
 
 /// What a SQLSTATE means for the protocol.
 pub fn kind_of(sqlstate: &str) -> ErrorKind {
@@ -35,6 +47,9 @@ pub fn kind_of(sqlstate: &str) -> ErrorKind {
         LOCK_NOT_AVAILABLE => ErrorKind::LockTimeout,
         INVALID_PASSWORD | INVALID_AUTHORIZATION_SPECIFICATION => ErrorKind::Authentication,
         INVALID_CATALOG_NAME => ErrorKind::MissingDatabase,
+        ADMIN_SHUTDOWN | CRASH_SHUTDOWN | CANNOT_CONNECT_NOW | IDLE_SESSION_TIMEOUT => {
+            ErrorKind::Connection
+        }
         s if s.starts_with("08") => ErrorKind::Connection,
         _ => ErrorKind::Other,
     }
@@ -118,6 +133,23 @@ mod tests {
             kind_of("40001").is_retryable()
                 && kind_of("40P01").is_retryable()
                 && !kind_of("23505").is_retryable()
+        );
+    }
+
+    /// A session the server ended (57P01 `pg_terminate_backend` or a shutdown, 57P02
+    /// a crash reset, 57P05 the idle-session timeout) or a server refusing connections
+    /// for now (57P03) is a lost connection (the CLI's exit 7), not another database
+    /// error, and not retried with the same key on a dead session.
+    #[test]
+    fn a_session_the_server_ended_is_a_connection_error() {
+        for code in ["57P01", "57P02", "57P03", "57P05"] {
+            assert_eq!(kind_of(code), ErrorKind::Connection, "{code}");
+            assert!(!kind_of(code).is_retryable(), "{code}");
+        }
+        assert_eq!(
+            kind_of("57014"),
+            ErrorKind::Other,
+            "a cancelled statement (statement_timeout) keeps its session"
         );
     }
 

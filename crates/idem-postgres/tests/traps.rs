@@ -301,3 +301,83 @@ async fn acquisition_is_bounded_by_the_acquire_timeout() {
     small.pool().close().await;
     drop_private(admin, backend, schema).await;
 }
+
+/// A session the server ended from another connection (`pg_terminate_backend`: SQLSTATE
+/// 57P01, as in a fast shutdown) is a lost connection, the CLI's exit 7, whether it sat
+/// idle between statements or was running one; never "another database error". (A
+/// connection terminated while idle in the pool is replaced by sqlx's checkout ping.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_session_is_a_connection_error() {
+    let (admin, backend, schema) = private("terminated").await;
+    let terminate = |pid: i32| {
+        let admin = admin.clone();
+        async move {
+            // Waits (up to 10 s) until the backend process has exited.
+            let done: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 10000)")
+                .bind(pid)
+                .fetch_one(&admin)
+                .await
+                .unwrap();
+            assert!(done, "backend {pid} was not terminated");
+        }
+    };
+
+    // Idle: a connection held between statements, terminated meanwhile; its next
+    // statement finds the session gone.
+    let mut conn = backend.pool().acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    terminate(pid).await;
+    let err = tokio::time::timeout(HANG_GUARD, sqlx::query("SELECT 1").execute(&mut *conn))
+        .await
+        .unwrap()
+        .map(drop)
+        .map_err(idem_postgres::db_error)
+        .expect_err("the session is gone");
+    assert_eq!(
+        err.kind(),
+        ErrorKind::Connection,
+        "{err} ({:?})",
+        err.code()
+    );
+    drop(conn);
+
+    // In use: a statement running when another session terminates it.
+    let mut conn = backend.pool().acquire().await.unwrap();
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *conn)
+        .await
+        .unwrap();
+    let running = tokio::spawn(async move {
+        let out = sqlx::query("SELECT pg_sleep(60)").execute(&mut *conn).await;
+        out.map(drop).map_err(idem_postgres::db_error)
+    });
+    tokio::time::timeout(HANG_GUARD, async {
+        loop {
+            let sleeping: bool = sqlx::query_scalar(
+                "SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND query = 'SELECT pg_sleep(60)' AND state = 'active')",
+            )
+            .bind(pid)
+            .fetch_one(&admin)
+            .await
+            .unwrap();
+            if sleeping {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the statement started");
+    terminate(pid).await;
+    let err = tokio::time::timeout(HANG_GUARD, running)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect_err("the statement's session was terminated");
+    assert_eq!(err.kind(), ErrorKind::Connection, "{err}");
+    assert_eq!(err.code(), Some("57P01"), "{err}");
+    drop_private(admin, backend, schema).await;
+}
