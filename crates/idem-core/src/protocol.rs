@@ -514,24 +514,22 @@ impl<B: Backend> Idem<B> {
             retention: scope.operation.retention(),
             wait: self.wait,
         };
-        let mut attempt = 0;
-        if self.fast_path {
-            loop {
-                attempt += 1;
-                match self.backend.lookup(&claim).await {
-                    Ok(Some(stored)) => return replay(&stored, request),
-                    Ok(None) => break,
-                    Err(e) => self.next_attempt(Step::from(e), attempt).await?,
-                }
-            }
-        }
         let mut rejection: Option<J> = None;
-        attempt = 0;
+        // The fast path runs with the first claim (on one connection where the engine
+        // can); a retry claims directly, and the claim replays a record it finds.
+        let mut fast_path = self.fast_path;
+        let mut attempt = 0;
         loop {
             attempt += 1;
             observe::attempt(attempt);
+            let first = std::mem::take(&mut fast_path);
             let step = async {
-                let tx = match self.backend.claim(&claim).await? {
+                let claimed = if first {
+                    self.backend.lookup_or_claim(&claim).await?
+                } else {
+                    self.backend.claim(&claim).await?
+                };
+                let tx = match claimed {
                     Claimed::Found(stored) => return replay(&stored, request).map_err(Step::Fail),
                     Claimed::InFlight => {
                         return Err(Step::Fail(Error::InProgress { waited: self.wait }));
