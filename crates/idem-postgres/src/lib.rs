@@ -17,9 +17,11 @@
 //! The claim's `BEGIN` is one simple-query message that also keeps the session's own
 //! `lock_timeout` in the transaction-local setting `idem.lock_timeout` and sets
 //! `SET LOCAL lock_timeout` to [`Claim::wait`] (whole milliseconds, rounded up, at
-//! least 1 ms, formatted by the backend: an integer, never user data), after `SET LOCAL
-//! citus.propagate_set_commands = 'local'` so that Citus passes the bound on to its
-//! workers (on plain PostgreSQL an unused placeholder setting). A claim still waiting for
+//! least 1 ms, formatted by the backend: an integer, never user data). On Citus (found
+//! once per backend in `pg_extension`) the bound is a message of its own after `BEGIN`,
+//! `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = …`, so
+//! that Citus passes it on to its workers (it re-runs that message's whole text there,
+//! hence nothing else in it). A claim still waiting for
 //! a concurrent holder of the same identity when it elapses gets SQLSTATE 55P03; the
 //! backend rolls back and answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not
 //! retried). Once the claim is won the effect gets the session's own value back
@@ -27,9 +29,11 @@
 //! whatever set the session's value (configuration, role, startup options, or a `SET`
 //! on the pooled connection). On a single node the claim's `INSERT` does that itself
 //! when it inserted (`WITH claimed AS (INSERT … RETURNING 1) SELECT set_config(…) FROM
-//! claimed`), so the bound costs no round trip of its own; on Citus (found once per
-//! backend in `pg_extension`) a separate `SET LOCAL lock_timeout TO DEFAULT` follows,
-//! which reaches the workers, then the coordinator's exact value.
+//! claimed`), so the bound costs no round trip of its own. On Citus a separate `SET
+//! LOCAL lock_timeout TO DEFAULT` follows the claim, which reaches the workers: there
+//! the effect gets the *default* back (the configuration's, role's or startup
+//! options' value, not a plain `SET` made earlier on the pooled session; the workers
+//! never had that one).
 //!
 //! With the replay fast path on, [`Idem::execute`](idem_core::Idem::execute) reads the
 //! record and, when there is none, claims on the same pooled connection
@@ -337,6 +341,38 @@ impl PgBackend {
         Ok(wrote)
     }
 
+    /// Begins a transaction on `conn` with its lock waits bounded by `wait`. On a single
+    /// node `BEGIN` and the bound are one message (`single`); on Citus the bound is a
+    /// message of its own after `BEGIN`, which Citus passes on to the workers. sqlx's
+    /// own `Pool::begin_with` would check out a connection of its own.
+    pub(crate) async fn begin_bounded_on(
+        &self,
+        mut conn: PoolConnection<Postgres>,
+        wait: Duration,
+        single: fn(u128) -> String,
+    ) -> Result<PgTx, DbError> {
+        let ms = lock_timeout_ms(wait);
+        if !self.on_citus(&mut conn).await? {
+            let begin = sqlx::AssertSqlSafe(single(ms)).into_sql_str();
+            return sqlx::Transaction::begin(conn, Some(begin))
+                .await
+                .map_err(db_error);
+        }
+        let mut tx = sqlx::Transaction::begin(conn, None)
+            .await
+            .map_err(db_error)?;
+        let bound = sqlx::raw_sql(sqlx::AssertSqlSafe(sql::bound_citus(ms)))
+            .execute(&mut *tx)
+            .await;
+        match bound {
+            Ok(_) => Ok(tx),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(db_error(e))
+            }
+        }
+    }
+
     /// Whether a claim write may restore `lock_timeout` itself (not on Citus).
     fn restores_in_write(&self) -> bool {
         self.citus.load(Ordering::Relaxed) == CITUS_NO
@@ -355,17 +391,14 @@ impl ClaimSteps for PgClaim<'_> {
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<PgOpen>, DbError> {
         let held = self.conn.lock().ok().and_then(|mut c| c.take());
-        let mut conn = match held {
+        let conn = match held {
             Some(conn) => conn,
             None => self.backend.pool.acquire().await.map_err(db_error)?,
         };
-        self.backend.on_citus(&mut conn).await?;
-        // `BEGIN`, the session's value kept, the bound: one message. sqlx's own
-        // `Pool::begin_with` would check out a connection of its own.
-        let begin = sqlx::AssertSqlSafe(sql::begin_claim(lock_timeout_ms(claim.wait)));
-        let tx = sqlx::Transaction::begin(conn, Some(begin.into_sql_str()))
-            .await
-            .map_err(db_error)?;
+        let tx = self
+            .backend
+            .begin_bounded_on(conn, claim.wait, sql::begin_claim)
+            .await?;
         Ok(Begun::Open(PgOpen {
             tx,
             restored: false,
@@ -446,6 +479,7 @@ impl ClaimSteps for PgClaim<'_> {
         if open.restored {
             return Ok(());
         }
+        // On Citus: the write went alone (a `set_config` does not reach the workers).
         sqlx::raw_sql(sql::RESTORE_LOCK_TIMEOUT)
             .execute(&mut *open.tx)
             .await

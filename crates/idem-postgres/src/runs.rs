@@ -3,8 +3,8 @@
 //!
 //! A run transaction is a plain READ COMMITTED transaction from the pool (the session's
 //! isolation, as the claim uses). With a wait bound, `lock_timeout` is set for this
-//! transaction only (`SET LOCAL lock_timeout`, sent with `BEGIN` in one message, and
-//! passed on to Citus workers), so a row lock held longer
+//! transaction only (`SET LOCAL lock_timeout`, sent with `BEGIN` in one message; on
+//! Citus a message of its own, passed on to the workers), so a row lock held longer
 //! than the bound fails with SQLSTATE 55P03 ([`ErrorKind::LockTimeout`]) and the
 //! session keeps its own value afterwards. The relay's claim reads with
 //! `FOR UPDATE SKIP LOCKED`; `pending_ids` is a plain read that sees every pending row.
@@ -20,7 +20,7 @@ use idem_core::runs::{
 };
 use idem_core::{DbError, Key, OutboxStore, RunStore, Scope, Status};
 
-use crate::{PgBackend, PgTx, db_error, lock_timeout_ms, secs, sql};
+use crate::{PgBackend, PgTx, db_error, secs, sql};
 
 type RunColumns = (
     String,
@@ -37,14 +37,10 @@ type RunColumns = (
 impl RunStore for PgBackend {
     async fn begin_runs(&self, wait: Option<Duration>) -> Result<PgTx, DbError> {
         match wait {
-            // `BEGIN` and the bound in one message.
-            Some(wait) => self
-                .pool()
-                .begin_with(sqlx::AssertSqlSafe(sql::begin_bounded(lock_timeout_ms(
-                    wait,
-                ))))
-                .await
-                .map_err(db_error),
+            Some(wait) => {
+                let conn = self.pool().acquire().await.map_err(db_error)?;
+                self.begin_bounded_on(conn, wait, sql::begin_bounded).await
+            }
             None => self.pool().begin().await.map_err(db_error),
         }
     }

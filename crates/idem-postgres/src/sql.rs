@@ -16,49 +16,54 @@ macro_rules! message_pk {
     };
 }
 
-/// The transaction-local wait bound, as the text of the simple-query message that also
-/// carries `BEGIN` (claims) or follows it: `citus.propagate_set_commands = 'local'`
-/// makes Citus pass the `SET LOCAL` on to the connections the transaction opens on its
-/// workers (on plain PostgreSQL it is an unused placeholder setting, accepted and
-/// dropped with the transaction). The bound itself is whole milliseconds formatted by
-/// the backend (an integer, never user data), then `ms'`.
-macro_rules! set_local_bound {
+/// A claim's `BEGIN` on a single node, one message: the session's own `lock_timeout`
+/// (whatever set it: configuration, role, startup options or a `SET` on the pooled
+/// connection) is kept in the transaction-local setting `idem.lock_timeout` for the
+/// restore, then the bound is set: whole milliseconds formatted by the backend (an
+/// integer, never user data), then `ms'`.
+macro_rules! begin_claim {
+    () => {
+        "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true); SET LOCAL lock_timeout = '"
+    };
+}
+/// A run transaction's `BEGIN` on a single node with its bound (for the whole
+/// transaction).
+macro_rules! begin_bounded {
+    () => {
+        "BEGIN; SET LOCAL lock_timeout = '"
+    };
+}
+/// The bound on Citus, a message of its own after `BEGIN` (Citus re-runs the whole text
+/// of a message holding a propagated `SET LOCAL` on its workers, so nothing else may be
+/// in it): `citus.propagate_set_commands = 'local'` makes Citus pass the `SET LOCAL` on
+/// to the connections the transaction has or opens on its workers.
+macro_rules! bound_citus {
     () => {
         "SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '"
     };
 }
-/// A claim's `BEGIN`, one message: the session's own `lock_timeout` (whatever set it:
-/// configuration, role, startup options or a `SET` on the pooled connection) is kept
-/// in the transaction-local setting `idem.lock_timeout` for the restore, then the
-/// bound is set. Followed by the bound in milliseconds and `ms'`.
-macro_rules! begin_claim {
-    () => {
-        concat!(
-            "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true); ",
-            set_local_bound!()
-        )
-    };
-}
-/// The claim's `BEGIN` with its bound, for `ms` milliseconds.
+/// The claim's `BEGIN` with its bound, for `ms` milliseconds (single node).
 pub(crate) fn begin_claim(ms: u128) -> String {
     format!("{}{ms}ms'", begin_claim!())
 }
-/// A run transaction's `BEGIN` with its bound (for the whole transaction), for `ms`
-/// milliseconds.
+/// A run transaction's `BEGIN` with its bound, for `ms` milliseconds (single node).
 pub(crate) fn begin_bounded(ms: u128) -> String {
-    format!("BEGIN; {}{ms}ms'", set_local_bound!())
+    format!("{}{ms}ms'", begin_bounded!())
 }
-/// The effect gets the session's own `lock_timeout` back once the claim is won: `SET
-/// LOCAL … TO DEFAULT` reaches Citus workers (their own default), and the coordinator
-/// (or the single node) gets exactly the value [`begin_claim`] kept. Still
-/// transaction-local: the session keeps its value after the transaction.
-pub(crate) const RESTORE_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout TO DEFAULT; \
-     SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)";
+/// The bound on Citus, after a plain `BEGIN`, for `ms` milliseconds.
+pub(crate) fn bound_citus(ms: u128) -> String {
+    format!("{}{ms}ms'", bound_citus!())
+}
+/// On Citus, once the claim is won: the effect gets the default `lock_timeout` back, on
+/// the coordinator and (propagated) on the workers. On a single node the claim's write
+/// restores the session's exact value instead (see `then_restore!`).
+pub(crate) const RESTORE_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout TO DEFAULT";
 /// Wraps a claim write (an `INSERT … ON CONFLICT DO NOTHING` or the guarded takeover)
 /// so that, when it wrote its row, the same statement gives the effect the session's
 /// `lock_timeout` back (set after the write, so the write's own wait stays bounded); no
 /// row, no restore. Single-node PostgreSQL only: a `set_config` is not passed on to
 /// Citus workers, so on Citus the write goes alone and [`RESTORE_LOCK_TIMEOUT`] follows.
+/// The claim's `BEGIN` ([`begin_claim`]) kept the session's value.
 macro_rules! then_restore {
     ($write:expr) => {
         concat!(
@@ -495,6 +500,7 @@ pub(crate) const INSERT_MIGRATION: &str =
 #[cfg(test)]
 pub(crate) const ALL: &[(&str, &str)] = &[
     ("begin_claim", concat!(begin_claim!(), "250ms'")),
+    ("bound_citus", concat!(bound_citus!(), "250ms'")),
     ("insert_request", INSERT_REQUEST),
     ("insert_request_restore", INSERT_REQUEST_RESTORE),
     ("select_request", SELECT_REQUEST),
@@ -547,10 +553,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("purge_runs_distributed", PURGE_RUNS_DISTRIBUTED),
     ("purge_outbox", PURGE_OUTBOX),
     ("purge_outbox_distributed", PURGE_OUTBOX_DISTRIBUTED),
-    (
-        "begin_bounded",
-        concat!("BEGIN; ", set_local_bound!(), "250ms'"),
-    ),
+    ("begin_bounded", concat!(begin_bounded!(), "250ms'")),
     ("restore_lock_timeout", RESTORE_LOCK_TIMEOUT),
     ("migration_lock", MIGRATION_LOCK),
     ("create_migrations", CREATE_MIGRATIONS),
