@@ -125,8 +125,14 @@ pub(crate) const SET_LOCK_WAIT: &str = "SET @idem_lock_wait = @@SESSION.innodb_l
      SESSION innodb_lock_wait_timeout = ";
 /// Gives the session (and the effect) its own `innodb_lock_wait_timeout` back.
 pub(crate) const RESTORE_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
-/// The server's `max_allowed_packet`, named in the error for a payload above it.
-pub(crate) const MAX_ALLOWED_PACKET: &str = "SELECT @@max_allowed_packet";
+/// MariaDB: bounds one claim statement's lock waits without touching the session
+/// (`SET STATEMENT … FOR`, MariaDB 10.1.2+; MySQL has no such clause), so there is
+/// nothing to save or restore. Followed by whole seconds (an integer appended by the
+/// backend, never user text), `FOR ` and the statement.
+pub(crate) const SET_STATEMENT_LOCK_WAIT: &str = "SET STATEMENT innodb_lock_wait_timeout = ";
+/// The server's `max_allowed_packet`, named in the error for a payload above it, and
+/// its version (MariaDB's says so).
+pub(crate) const MAX_ALLOWED_PACKET: &str = "SELECT @@max_allowed_packet, @@version";
 
 /// Set when a message claim wins: a message record has no placeholder to complete, so
 /// this savepoint is what proves at commit time that the claiming transaction is still
@@ -389,6 +395,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("set_lock_wait", SET_LOCK_WAIT),
     ("restore_lock_wait", RESTORE_LOCK_WAIT),
     ("max_allowed_packet", MAX_ALLOWED_PACKET),
+    ("set_statement_lock_wait", SET_STATEMENT_LOCK_WAIT),
     ("savepoint_claimed", SAVEPOINT_CLAIMED),
     ("release_claimed", RELEASE_CLAIMED),
     ("purge_requests", PURGE_REQUESTS),
