@@ -50,9 +50,12 @@
 //!
 //! # Fast-path reads and large payloads
 //!
-//! The replay lookup runs after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (which
-//! applies to the next transaction: the lookup's autocommit read), so a session whose
-//! default is READ UNCOMMITTED never sees, let alone replays, an uncommitted winner.
+//! A session whose default is READ UNCOMMITTED must never see, let alone replay, an
+//! uncommitted winner. On MariaDB the replay lookup is one locking read that skips held
+//! rows (`LOCK IN SHARE MODE SKIP LOCKED`, autocommit: it reads the latest committed
+//! version, never waits, and its shared lock ends with the statement); on MySQL it
+//! runs after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (which applies to the
+//! next transaction: the lookup's autocommit read), a round trip of its own.
 //! A request or response that does not fit the server's `max_allowed_packet` (read once
 //! per backend; 1 KiB is kept for the rest of the statement) is refused before any SQL
 //! with a non-retried error naming the setting: the server would drop the connection,
@@ -415,6 +418,7 @@ struct Target<'a> {
     select: &'static str,
     replace: &'static str,
     lookup: &'static str,
+    lookup_committed: &'static str,
     expired: &'static str,
     key: Vec<Value>,
     request: Option<&'a str>,
@@ -429,6 +433,7 @@ impl<'a> Target<'a> {
                 select: sql::SELECT_REQUEST,
                 replace: sql::REPLACE_EXPIRED_REQUEST,
                 lookup: sql::LOOKUP_REQUEST,
+                lookup_committed: sql::LOOKUP_REQUEST_COMMITTED,
                 expired: sql::EXPIRED_REQUEST,
                 key: vec![
                     scope.principal.as_str().as_bytes().into(),
@@ -446,6 +451,7 @@ impl<'a> Target<'a> {
                 select: sql::SELECT_MESSAGE,
                 replace: sql::REPLACE_EXPIRED_MESSAGE,
                 lookup: sql::LOOKUP_MESSAGE,
+                lookup_committed: sql::LOOKUP_MESSAGE_COMMITTED,
                 expired: sql::EXPIRED_MESSAGE,
                 key: vec![
                     subscriber.as_str().as_bytes().into(),
@@ -771,14 +777,22 @@ impl Backend for MysqlBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let target = Target::of(claim);
+        let mariadb = self.server().await?.mariadb;
         let mut conn = self.conn().await?;
-        // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
-        // uncommitted winner's placeholder.
-        conn.query_drop(sql::READ_COMMITTED)
-            .await
-            .map_err(db_error)?;
+        let lookup = if mariadb {
+            // A locking read that skips held rows: committed versions only, in one
+            // statement.
+            target.lookup_committed
+        } else {
+            // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
+            // uncommitted winner's placeholder.
+            conn.query_drop(sql::READ_COMMITTED)
+                .await
+                .map_err(db_error)?;
+            target.lookup
+        };
         let row: Option<Row> = conn
-            .exec_first(target.lookup, target.params(vec![], vec![]))
+            .exec_first(lookup, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         drop(conn);
