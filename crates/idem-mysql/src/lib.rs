@@ -175,7 +175,7 @@ use tokio::sync::OnceCell;
 use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DEFAULT_ACQUIRE_TIMEOUT, DbError, ErrorKind, Finish, Identity,
-    Maintenance, Migration, PoolOptions, Status, Stored, Table,
+    Maintenance, Migration, PoolChecks, PoolOptions, Status, Stored, Table,
 };
 pub use mysql_async;
 use mysql_async::consts::StatusFlags;
@@ -361,15 +361,26 @@ impl MysqlBackend {
 
     /// Connects with explicit options and the pool settings every idem engine takes
     /// under the same names: `max_connections` (the pool's maximum; its minimum is
-    /// lowered to fit) and `acquire_timeout` (how long a call waits for a free
-    /// connection before it fails with a connection error; 30 s otherwise).
+    /// lowered to fit), `acquire_timeout` (how long a call waits for a free
+    /// connection before it fails with a connection error; 30 s otherwise) and
+    /// `checks`: [`PoolChecks::On`] resets the session of every returned connection
+    /// (`COM_RESET_CONNECTION`, mysql_async's own default: one round trip per call, and
+    /// every statement prepared again after it), [`PoolChecks::Off`] does not, and the
+    /// default keeps what the options say ([`parse_url`]: off unless the URL sets
+    /// `reset_connection`).
     pub async fn connect_pooled(opts: impl Into<Opts>, pool: PoolOptions) -> Result<Self, DbError> {
         let opts: Opts = opts.into();
         let max = pool.max_connections.max(1);
         let min = opts.pool_opts().constraints().min().min(max);
         let constraints = PoolConstraints::new(min, max)
             .ok_or_else(|| config(format!("invalid pool size {min}..={max}")))?;
-        let pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+        let mut pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+        match pool.checks {
+            PoolChecks::On => pool_opts = pool_opts.with_reset_connection(true),
+            PoolChecks::Off => pool_opts = pool_opts.with_reset_connection(false),
+            // `parse_url`'s choice (off unless the URL says `reset_connection`).
+            _ => {}
+        }
         let opts: Opts = OptsBuilder::from_opts(opts).pool_opts(pool_opts).into();
         let mut backend = Self::connect_with(opts).await?;
         backend.acquire_timeout = pool.acquire_timeout;

@@ -94,7 +94,7 @@ use std::time::Duration;
 use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration,
-    PoolOptions, Status, Stored, Table,
+    PoolChecks, PoolOptions, Status, Stored, Table,
 };
 pub use sqlx;
 use sqlx::pool::PoolConnection;
@@ -178,10 +178,10 @@ impl PgBackend {
     /// instead of a pool timeout.
     ///
     /// The pool keeps sqlx's ping on every checkout (`test_before_acquire`), one round
-    /// trip per call. A pool built with `PgPoolOptions::test_before_acquire(false)` and
-    /// passed to [`PgBackend::from_pool`] saves it (measured in `docs/performance.md`);
-    /// sqlx still pings every returned connection, which sends the `ROLLBACK` a dropped
-    /// transaction queued, and closes the connection if that fails.
+    /// trip per call; [`PgBackend::connect_pooled`] with [`PoolChecks::Off`] saves it
+    /// (measured in `docs/performance.md`). sqlx still pings every returned connection,
+    /// which sends the `ROLLBACK` a dropped transaction queued, and closes the
+    /// connection if that fails.
     pub async fn connect_with(
         options: PgConnectOptions,
         max_connections: u32,
@@ -192,8 +192,12 @@ impl PgBackend {
     }
 
     /// Connects with explicit options and the pool settings every idem engine takes
-    /// under the same names: `max_connections` and `acquire_timeout` (how long a call
-    /// waits for a free connection before it fails with a connection error).
+    /// under the same names: `max_connections`, `acquire_timeout` (how long a call
+    /// waits for a free connection before it fails with a connection error) and
+    /// `checks`: [`PoolChecks::Off`] turns off sqlx's ping of every connection it hands
+    /// out (`test_before_acquire`), one round trip per call (a dead connection is then
+    /// found by the call, as a retried connection error); the default keeps it. sqlx
+    /// pings every *returned* connection whatever this says.
     pub async fn connect_pooled(
         options: PgConnectOptions,
         pool: PoolOptions,
@@ -205,6 +209,7 @@ impl PgBackend {
         PgPoolOptions::new()
             .max_connections(u32::try_from(pool.max_connections.max(1)).unwrap_or(u32::MAX))
             .acquire_timeout(pool.acquire_timeout)
+            .test_before_acquire(pool.checks != PoolChecks::Off)
             .connect_with(options)
             .await
             .map(Self::from_pool)
