@@ -833,8 +833,8 @@ mod tests {
 
     /// Single-node PostgreSQL only, by design: the claim's and run transactions' `BEGIN`
     /// carrying the bound (rule 7), and the claim writes that give the effect the
-    /// session's `lock_timeout` back in the same statement (`set_config` in a CTE's
-    /// outer `SELECT`, rule 6). The backend finds Citus installed (once per backend)
+    /// session's `lock_timeout` back in the same statement (`set_config` in their
+    /// `RETURNING`, rules 3 and 6). The backend finds Citus installed (once per backend)
     /// and sends `BEGIN`, `bound_citus`, the plain writes and `restore_lock_timeout`
     /// instead.
     const SINGLE_NODE_ONLY: &[&str] = &[

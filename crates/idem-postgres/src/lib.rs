@@ -28,8 +28,8 @@
 //! (transaction-locally), so the bound never applies to the effect's own statements,
 //! whatever set the session's value (configuration, role, startup options, or a `SET`
 //! on the pooled connection). On a single node the claim's `INSERT` does that itself
-//! when it inserted (`WITH claimed AS (INSERT … RETURNING 1) SELECT set_config(…) FROM
-//! claimed`), so the bound costs no round trip of its own. On Citus a separate `SET
+//! when it inserted (`INSERT … ON CONFLICT DO NOTHING RETURNING set_config(…)`), so
+//! the bound costs no round trip of its own. On Citus a separate `SET
 //! LOCAL lock_timeout TO DEFAULT` follows the claim, which reaches the workers: there
 //! the effect gets the *default* back (the configuration's, role's or startup
 //! options' value, not a plain `SET` made earlier on the pooled session; the workers

@@ -58,18 +58,18 @@ pub(crate) fn bound_citus(ms: u128) -> String {
 /// the coordinator and (propagated) on the workers. On a single node the claim's write
 /// restores the session's exact value instead (see `then_restore!`).
 pub(crate) const RESTORE_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout TO DEFAULT";
-/// Wraps a claim write (an `INSERT … ON CONFLICT DO NOTHING` or the guarded takeover)
-/// so that, when it wrote its row, the same statement gives the effect the session's
-/// `lock_timeout` back (set after the write, so the write's own wait stays bounded); no
-/// row, no restore. Single-node PostgreSQL only: a `set_config` is not passed on to
-/// Citus workers, so on Citus the write goes alone and [`RESTORE_LOCK_TIMEOUT`] follows.
-/// The claim's `BEGIN` ([`begin_claim`]) kept the session's value.
+/// Appended to a claim write (an `INSERT … ON CONFLICT DO NOTHING` or the guarded
+/// takeover) so that, when it wrote its row, the same statement gives the effect the
+/// session's `lock_timeout` back: `RETURNING` is computed once the row is written, after
+/// any wait, so the write itself stays bounded; no row, no restore. Single-node
+/// PostgreSQL only: a `set_config` is not passed on to Citus workers, so on Citus the
+/// write goes alone and [`RESTORE_LOCK_TIMEOUT`] follows. The claim's `BEGIN`
+/// ([`begin_claim`]) kept the session's value.
 macro_rules! then_restore {
     ($write:expr) => {
         concat!(
-            "WITH claimed AS (",
             $write,
-            " RETURNING 1) SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true) FROM claimed"
+            " RETURNING set_config('lock_timeout', current_setting('idem.lock_timeout'), true)"
         )
     };
 }
