@@ -617,12 +617,15 @@ mod mysql {
         async fn lock_waiter(&self, blocker: i64) -> Result<Option<i64>, DbError> {
             // The session of this private database running idem's claim (only the
             // holder and its waiter run here). MariaDB's INNODB_TRX does not list a
-            // transaction whose first statement waits, so the process list it is.
+            // transaction whose first statement waits, so the process list it is. On
+            // MariaDB the claim is `SET STATEMENT innodb_lock_wait_timeout = N FOR
+            // INSERT …`.
             let id: Option<Option<u64>> = scalar(
                 self,
                 "SELECT ID FROM information_schema.PROCESSLIST \
                  WHERE DB = DATABASE() AND ID <> ? AND ID <> CONNECTION_ID() \
-                 AND INFO LIKE 'INSERT INTO idem_request_result%' LIMIT 1",
+                 AND (INFO LIKE 'INSERT INTO idem_request_result%' \
+                 OR INFO LIKE 'SET STATEMENT % FOR INSERT INTO idem_request_result%') LIMIT 1",
                 (blocker,),
             )
             .await?;

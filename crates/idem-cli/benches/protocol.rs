@@ -1,5 +1,8 @@
 //! Criterion benchmarks of the protocol's paths on SQLite (and PostgreSQL when
-//! `IDEM_POSTGRES_URL` is set): compare the paths' times within one run.
+//! `IDEM_POSTGRES_URL` is set, MySQL/MariaDB when `IDEM_MYSQL_URL` is and the `mysql`
+//! feature is on): compare the paths' times within one run. `new_request` runs the
+//! fast path's read and the claim together (`Backend::lookup_or_claim`: one pooled
+//! connection on PostgreSQL); `new_request_no_fast_path` is the same without the read.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -43,6 +46,18 @@ fn paths<K: Bank>(c: &mut Criterion, url: &str) {
             assert!(out.is_ok());
         });
     });
+    let direct = Idem::new(bank.backend().clone()).with_fast_path(false);
+    group.bench_function("new_request_no_fast_path", |b| {
+        b.to_async(&rt).iter(|| async {
+            let key = Key::new(format!("n-{}", next.fetch_add(1, Ordering::Relaxed)))
+                .map_err(|e| e.to_string());
+            let key = key.unwrap_or_else(|e| panic!("{e}"));
+            let out = direct
+                .execute(&scope, &key, &request, |tx| K::debit(tx, 1, 1))
+                .await;
+            assert!(out.is_ok());
+        });
+    });
     group.bench_function("replay", |b| {
         let key = Key::new("k-0").unwrap_or_else(|e| panic!("{e}"));
         b.to_async(&rt).iter(|| async {
@@ -64,6 +79,10 @@ fn benches(c: &mut Criterion) {
     );
     if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
         paths::<idem_conformance::postgres::PgBank>(c, &url);
+    }
+    #[cfg(feature = "mysql")]
+    if let Ok(url) = std::env::var("IDEM_MYSQL_URL") {
+        paths::<idem_conformance::mysql::MysqlBank>(c, &url);
     }
 }
 

@@ -158,6 +158,24 @@ pub trait Backend: Send + Sync + 'static {
         claim: &Claim<'_>,
     ) -> impl Future<Output = Result<Claimed<Self::Tx>, DbError>> + Send;
 
+    /// The replay fast path followed, when it finds nothing, by the claim: what
+    /// [`crate::Idem::execute`] runs first with the fast path on. `Ok(Claimed::Found)`
+    /// is the lookup's record (or the claim's). The default is [`Backend::lookup`] then
+    /// [`Backend::claim`]; an engine whose pool costs round trips per checkout
+    /// (PostgreSQL: a ping when it is handed out and one when it is returned) overrides
+    /// it to run both on one connection.
+    fn lookup_or_claim(
+        &self,
+        claim: &Claim<'_>,
+    ) -> impl Future<Output = Result<Claimed<Self::Tx>, DbError>> + Send {
+        async move {
+            match self.lookup(claim).await? {
+                Some(stored) => Ok(Claimed::Found(stored)),
+                None => self.claim(claim).await,
+            }
+        }
+    }
+
     /// Completes (stores the response, commits) or rolls back a won transaction.
     fn finish(
         &self,

@@ -41,7 +41,7 @@ use crate::error::{DbError, ErrorKind};
 /// How long a checkout waits for a free connection by default.
 pub const DEFAULT_ACQUIRE_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The two pool settings every engine takes under the same names.
+/// The pool settings every engine takes under the same names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PoolOptions {
     /// The most connections open at once (at least 1).
@@ -49,15 +49,50 @@ pub struct PoolOptions {
     /// How long a checkout waits for a free connection before it fails with
     /// [`ErrorKind::Connection`].
     pub acquire_timeout: Duration,
+    /// The checks that cost a round trip per checkout or return (see [`PoolChecks`]).
+    pub checks: PoolChecks,
+}
+
+/// The pool checks that cost a round trip per call, by engine. Every pool, whatever
+/// this says, rolls back a connection returned inside a transaction and throws away one
+/// that cannot be rolled back, so none is ever handed out inside a transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PoolChecks {
+    /// The engine's default: [`PoolChecks::On`] on PostgreSQL (a dead connection is
+    /// found before a call uses it, and idem's fault suite relies on the ping's timing;
+    /// see `docs/performance.md`), [`PoolChecks::Off`] on MySQL/MariaDB (unless the URL
+    /// sets `reset_connection`). SQLite, SQL Server and Oracle check connections on the
+    /// client, without a round trip, whatever this says.
+    #[default]
+    Default,
+    /// PostgreSQL: sqlx pings every connection it hands out (`test_before_acquire`),
+    /// one round trip per checkout. MySQL/MariaDB: mysql_async resets the session of
+    /// every returned connection (`COM_RESET_CONNECTION`), which also empties its
+    /// prepared-statement cache.
+    On,
+    /// Neither: a broken connection is found by the call that uses it (a connection
+    /// error, which idem retries); on MySQL/MariaDB what an effect changed in its session
+    /// (`SET SESSION`, user variables, temporary tables, named locks) carries over.
+    Off,
 }
 
 impl PoolOptions {
-    /// `max_connections` connections, waited for at most [`DEFAULT_ACQUIRE_TIMEOUT`].
+    /// `max_connections` connections, waited for at most [`DEFAULT_ACQUIRE_TIMEOUT`],
+    /// with the engine's default [`PoolChecks`].
     pub const fn new(max_connections: usize) -> Self {
         Self {
             max_connections,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
+            checks: PoolChecks::Default,
         }
+    }
+
+    /// Sets [`PoolOptions::checks`].
+    #[must_use]
+    pub const fn checks(mut self, checks: PoolChecks) -> Self {
+        self.checks = checks;
+        self
     }
 
     /// Sets [`PoolOptions::acquire_timeout`].

@@ -29,7 +29,7 @@ mod request;
 pub mod runs;
 
 pub use backend::{Backend, Claim, Claimed, Finish, Identity, Maintenance, Status, Stored, Table};
-pub use blocking::{DEFAULT_ACQUIRE_TIMEOUT, PoolOptions};
+pub use blocking::{DEFAULT_ACQUIRE_TIMEOUT, PoolChecks, PoolOptions};
 pub use effect::{EffectError, ReportMarker, StdErrorMarker};
 pub use error::{DbError, Error, ErrorKind, InvalidInput};
 pub use ident::{

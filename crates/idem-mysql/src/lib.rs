@@ -25,11 +25,14 @@
 //!
 //! # Bounded waits
 //!
-//! The claim's statements run with the session's `innodb_lock_wait_timeout` set to
-//! [`Claim::wait`] in whole seconds (rounded up, at least 1: the server's unit and
-//! minimum), saved before and restored right after the claim, so the effect and the
-//! pooled session keep their own value (`SET SESSION`, portable to MySQL 8.4, which has
-//! no `SET STATEMENT … FOR`). A claim still waiting for a concurrent holder of the same
+//! The claim's statements run with `innodb_lock_wait_timeout` set to [`Claim::wait`] in
+//! whole seconds (rounded up, at least 1: the server's unit and minimum), and the effect
+//! and the pooled session keep their own value. On MariaDB (its `@@version`, read once
+//! per backend) each claim statement carries its bound, `SET STATEMENT
+//! innodb_lock_wait_timeout = N FOR INSERT …`: no round trip of its own, nothing to
+//! restore. MySQL 8.4 has no `SET STATEMENT … FOR`: there the session's value is saved
+//! and bounded after `START TRANSACTION` and restored right after the claim (`SET
+//! SESSION`, two round trips). A claim still waiting for a concurrent holder of the same
 //! identity gets **1205**; the backend rolls back and answers [`Claimed::InFlight`]
 //! (idem's `Error::InProgress`, not retried). A 1205 inside the effect is still a
 //! retried lock timeout.
@@ -47,9 +50,12 @@
 //!
 //! # Fast-path reads and large payloads
 //!
-//! The replay lookup runs after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (which
-//! applies to the next transaction: the lookup's autocommit read), so a session whose
-//! default is READ UNCOMMITTED never sees, let alone replays, an uncommitted winner.
+//! A session whose default is READ UNCOMMITTED must never see, let alone replay, an
+//! uncommitted winner. On MariaDB the replay lookup is one locking read that skips held
+//! rows (`LOCK IN SHARE MODE SKIP LOCKED`, autocommit: it reads the latest committed
+//! version, never waits, and its shared lock ends with the statement); on MySQL it
+//! runs after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (which applies to the
+//! next transaction: the lookup's autocommit read), a round trip of its own.
 //! A request or response that does not fit the server's `max_allowed_packet` (read once
 //! per backend; 1 KiB is kept for the rest of the statement) is refused before any SQL
 //! with a non-retried error naming the setting: the server would drop the connection,
@@ -169,7 +175,7 @@ use tokio::sync::OnceCell;
 use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DEFAULT_ACQUIRE_TIMEOUT, DbError, ErrorKind, Finish, Identity,
-    Maintenance, Migration, PoolOptions, Status, Stored, Table,
+    Maintenance, Migration, PoolChecks, PoolOptions, Status, Stored, Table,
 };
 pub use mysql_async;
 use mysql_async::consts::StatusFlags;
@@ -263,7 +269,7 @@ pub struct MysqlBackend {
     /// How long a call waits for a pooled connection.
     acquire_timeout: Duration,
     /// The server's `max_allowed_packet`, read once.
-    max_packet: Arc<OnceCell<u64>>,
+    server: Arc<OnceCell<Server>>,
 }
 
 fn config(message: impl Into<String>) -> DbError {
@@ -349,21 +355,32 @@ impl MysqlBackend {
         Self {
             pool,
             acquire_timeout: DEFAULT_ACQUIRE_TIMEOUT,
-            max_packet: Arc::default(),
+            server: Arc::default(),
         }
     }
 
     /// Connects with explicit options and the pool settings every idem engine takes
     /// under the same names: `max_connections` (the pool's maximum; its minimum is
-    /// lowered to fit) and `acquire_timeout` (how long a call waits for a free
-    /// connection before it fails with a connection error; 30 s otherwise).
+    /// lowered to fit), `acquire_timeout` (how long a call waits for a free
+    /// connection before it fails with a connection error; 30 s otherwise) and
+    /// `checks`: [`PoolChecks::On`] resets the session of every returned connection
+    /// (`COM_RESET_CONNECTION`, mysql_async's own default: one round trip per call, and
+    /// every statement prepared again after it), [`PoolChecks::Off`] does not, and the
+    /// default keeps what the options say ([`parse_url`]: off unless the URL sets
+    /// `reset_connection`).
     pub async fn connect_pooled(opts: impl Into<Opts>, pool: PoolOptions) -> Result<Self, DbError> {
         let opts: Opts = opts.into();
         let max = pool.max_connections.max(1);
         let min = opts.pool_opts().constraints().min().min(max);
         let constraints = PoolConstraints::new(min, max)
             .ok_or_else(|| config(format!("invalid pool size {min}..={max}")))?;
-        let pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+        let mut pool_opts = opts.pool_opts().clone().with_constraints(constraints);
+        match pool.checks {
+            PoolChecks::On => pool_opts = pool_opts.with_reset_connection(true),
+            PoolChecks::Off => pool_opts = pool_opts.with_reset_connection(false),
+            // `parse_url`'s choice (off unless the URL says `reset_connection`).
+            _ => {}
+        }
         let opts: Opts = OptsBuilder::from_opts(opts).pool_opts(pool_opts).into();
         let mut backend = Self::connect_with(opts).await?;
         backend.acquire_timeout = pool.acquire_timeout;
@@ -412,6 +429,7 @@ struct Target<'a> {
     select: &'static str,
     replace: &'static str,
     lookup: &'static str,
+    lookup_committed: &'static str,
     expired: &'static str,
     key: Vec<Value>,
     request: Option<&'a str>,
@@ -426,6 +444,7 @@ impl<'a> Target<'a> {
                 select: sql::SELECT_REQUEST,
                 replace: sql::REPLACE_EXPIRED_REQUEST,
                 lookup: sql::LOOKUP_REQUEST,
+                lookup_committed: sql::LOOKUP_REQUEST_COMMITTED,
                 expired: sql::EXPIRED_REQUEST,
                 key: vec![
                     scope.principal.as_str().as_bytes().into(),
@@ -443,6 +462,7 @@ impl<'a> Target<'a> {
                 select: sql::SELECT_MESSAGE,
                 replace: sql::REPLACE_EXPIRED_MESSAGE,
                 lookup: sql::LOOKUP_MESSAGE,
+                lookup_committed: sql::LOOKUP_MESSAGE_COMMITTED,
                 expired: sql::EXPIRED_MESSAGE,
                 key: vec![
                     subscriber.as_str().as_bytes().into(),
@@ -537,6 +557,15 @@ async fn abort(tx: Transaction<'static>, e: DbError) -> DbError {
     e
 }
 
+/// What the backend reads from the server once.
+#[derive(Debug, Clone, Copy)]
+struct Server {
+    /// `max_allowed_packet`.
+    max_packet: u64,
+    /// MariaDB (`@@version` says so): claims bound each statement with `SET STATEMENT`.
+    mariadb: bool,
+}
+
 /// The claim's `innodb_lock_wait_timeout`: whole seconds, rounded up, at least 1 (the
 /// server's minimum), at most its maximum (1073741824).
 fn lock_wait_secs(wait: Duration) -> u64 {
@@ -551,6 +580,17 @@ fn lock_wait_secs(wait: Duration) -> u64 {
 #[derive(Debug)]
 pub struct MysqlOpen {
     tx: Transaction<'static>,
+    /// MariaDB: `SET STATEMENT innodb_lock_wait_timeout = N FOR ` before each claim
+    /// statement (the session is never changed). MySQL: empty, the session's value was
+    /// saved and bounded at `begin` and is restored by `ready`/`rollback`.
+    bound: String,
+}
+
+impl MysqlOpen {
+    /// `statement`, bounded on MariaDB.
+    fn bounded(&self, statement: &str) -> String {
+        format!("{}{statement}", self.bound)
+    }
 }
 
 /// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is
@@ -568,8 +608,18 @@ impl ClaimSteps for MysqlBackend {
         .await
         .map_err(|_| self.acquire_timed_out())?
         .map_err(db_error)?;
-        let mut open = MysqlOpen { tx };
-        let bound = format!("{}{}", sql::SET_LOCK_WAIT, lock_wait_secs(claim.wait));
+        let secs = lock_wait_secs(claim.wait);
+        if self.server().await?.mariadb {
+            return Ok(Begun::Open(MysqlOpen {
+                tx,
+                bound: format!("{}{secs} FOR ", sql::SET_STATEMENT_LOCK_WAIT),
+            }));
+        }
+        let mut open = MysqlOpen {
+            tx,
+            bound: String::new(),
+        };
+        let bound = format!("{}{secs}", sql::SET_LOCK_WAIT);
         match open.tx.query_drop(bound).await {
             Ok(()) => Ok(Begun::Open(open)),
             Err(e) => {
@@ -583,7 +633,7 @@ impl ClaimSteps for MysqlBackend {
         let target = Target::of(claim);
         let micros = window_micros(claim.retention);
         let params = target.params(vec![], vec![target.request_value(), micros.into()]);
-        match open.tx.exec_drop(target.insert, params).await {
+        match open.tx.exec_drop(open.bounded(target.insert), params).await {
             Ok(()) => Ok(true),
             Err(e) if is_duplicate(&e) => Ok(false),
             Err(e) => Err(db_error(e)),
@@ -594,7 +644,7 @@ impl ClaimSteps for MysqlBackend {
         let target = Target::of(claim);
         let row: Option<Row> = open
             .tx
-            .exec_first(target.select, target.params(vec![], vec![]))
+            .exec_first(open.bounded(target.select), target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         let Some(row) = row else {
@@ -614,19 +664,23 @@ impl ClaimSteps for MysqlBackend {
         let target = Target::of(claim);
         let micros = window_micros(claim.retention);
         let params = target.params(vec![target.request_value(), micros.into()], vec![]);
+        let statement = open.bounded(target.replace);
         open.tx
-            .exec_drop(target.replace, params)
+            .exec_drop(statement, params)
             .await
             .map_err(db_error)?;
         Ok(open.tx.affected_rows() == 1)
     }
 
     async fn ready(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<(), DbError> {
-        // The effect (and the pooled session) keep their own lock-wait timeout.
-        open.tx
-            .query_drop(sql::RESTORE_LOCK_WAIT)
-            .await
-            .map_err(db_error)?;
+        // The effect (and the pooled session) keep their own lock-wait timeout (on
+        // MariaDB it was never changed).
+        if open.bound.is_empty() {
+            open.tx
+                .query_drop(sql::RESTORE_LOCK_WAIT)
+                .await
+                .map_err(db_error)?;
+        }
         if Target::of(claim).is_request {
             return Ok(());
         }
@@ -647,10 +701,13 @@ impl ClaimSteps for MysqlBackend {
 
     async fn rollback(&self, open: MysqlOpen) -> Result<(), DbError> {
         let mut tx = open.tx;
-        let restored = tx
-            .query_drop(sql::RESTORE_LOCK_WAIT)
-            .await
-            .map_err(db_error);
+        let restored = if open.bound.is_empty() {
+            tx.query_drop(sql::RESTORE_LOCK_WAIT)
+                .await
+                .map_err(db_error)
+        } else {
+            Ok(())
+        };
         // A failed ROLLBACK drops the connection.
         let ended = tx.rollback().await.map_err(db_error);
         restored.and(ended)
@@ -676,19 +733,28 @@ fn expired_during_effect() -> DbError {
 const PACKET_OVERHEAD: u64 = 1024;
 
 impl MysqlBackend {
-    /// The server's `max_allowed_packet` (read on first use, then kept).
-    async fn max_packet(&self) -> Result<u64, DbError> {
-        self.max_packet
+    /// The server's `max_allowed_packet` and whether it is MariaDB (read on first use,
+    /// then kept).
+    async fn server(&self) -> Result<Server, DbError> {
+        self.server
             .get_or_try_init(|| async {
                 let mut conn = self.conn().await?;
-                let max: Option<u64> = conn
+                let row: Option<(Option<u64>, String)> = conn
                     .query_first(sql::MAX_ALLOWED_PACKET)
                     .await
                     .map_err(db_error)?;
-                Ok(max.unwrap_or(u64::MAX))
+                let (max, version) = row.unwrap_or((None, String::new()));
+                Ok(Server {
+                    max_packet: max.unwrap_or(u64::MAX),
+                    mariadb: version.contains("MariaDB"),
+                })
             })
             .await
             .copied()
+    }
+
+    async fn max_packet(&self) -> Result<u64, DbError> {
+        Ok(self.server().await?.max_packet)
     }
 
     /// Refuses, before any SQL, a payload the server would refuse: above
@@ -722,14 +788,22 @@ impl Backend for MysqlBackend {
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
         let target = Target::of(claim);
+        let mariadb = self.server().await?.mariadb;
         let mut conn = self.conn().await?;
-        // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
-        // uncommitted winner's placeholder.
-        conn.query_drop(sql::READ_COMMITTED)
-            .await
-            .map_err(db_error)?;
+        let lookup = if mariadb {
+            // A locking read that skips held rows: committed versions only, in one
+            // statement.
+            target.lookup_committed
+        } else {
+            // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
+            // uncommitted winner's placeholder.
+            conn.query_drop(sql::READ_COMMITTED)
+                .await
+                .map_err(db_error)?;
+            target.lookup
+        };
         let row: Option<Row> = conn
-            .exec_first(target.lookup, target.params(vec![], vec![]))
+            .exec_first(lookup, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         drop(conn);

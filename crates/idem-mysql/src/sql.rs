@@ -74,14 +74,27 @@ pub(crate) const EXPIRED_REQUEST: &str = concat!(
     "SELECT expires_at <= UTC_TIMESTAMP(6) FROM idem_request_result WHERE ",
     request_pk!()
 );
-/// The replay fast path: a plain read outside any write transaction, after
+macro_rules! lookup_request {
+    () => {
+        concat!(
+            "SELECT request, response, status FROM idem_request_result WHERE ",
+            request_pk!(),
+            " AND expires_at > UTC_TIMESTAMP(6)"
+        )
+    };
+}
+/// The replay fast path on MySQL: a plain read outside any write transaction, after
 /// [`READ_COMMITTED`] (so a session at READ UNCOMMITTED never replays an uncommitted
 /// placeholder). Params: principal, operation, key.
-pub(crate) const LOOKUP_REQUEST: &str = concat!(
-    "SELECT request, response, status FROM idem_request_result WHERE ",
-    request_pk!(),
-    " AND expires_at > UTC_TIMESTAMP(6)"
-);
+pub(crate) const LOOKUP_REQUEST: &str = lookup_request!();
+/// The replay fast path on MariaDB, one statement whatever the session's isolation: a
+/// locking read (autocommit: its shared lock ends with the statement) returns the
+/// latest *committed* version, and `SKIP LOCKED` (MariaDB 10.6+) skips a row another
+/// transaction holds (a winner's uncommitted placeholder or completion, an expired
+/// record being taken over), which is then no replay: the claim decides. Never waits.
+/// Params: principal, operation, key.
+pub(crate) const LOOKUP_REQUEST_COMMITTED: &str =
+    concat!(lookup_request!(), " LOCK IN SHARE MODE SKIP LOCKED");
 /// Pins the next transaction (the lookup's autocommit read) to READ COMMITTED.
 pub(crate) const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
@@ -112,12 +125,20 @@ pub(crate) const EXPIRED_MESSAGE: &str = concat!(
     "SELECT expires_at <= UTC_TIMESTAMP(6) FROM idem_processed_message WHERE ",
     message_pk!()
 );
+macro_rules! lookup_message {
+    () => {
+        concat!(
+            "SELECT fingerprint FROM idem_processed_message WHERE ",
+            message_pk!(),
+            " AND expires_at > UTC_TIMESTAMP(6)"
+        )
+    };
+}
 /// Params: subscriber, message ID.
-pub(crate) const LOOKUP_MESSAGE: &str = concat!(
-    "SELECT fingerprint FROM idem_processed_message WHERE ",
-    message_pk!(),
-    " AND expires_at > UTC_TIMESTAMP(6)"
-);
+pub(crate) const LOOKUP_MESSAGE: &str = lookup_message!();
+/// [`LOOKUP_MESSAGE`] on MariaDB (see [`LOOKUP_REQUEST_COMMITTED`]).
+pub(crate) const LOOKUP_MESSAGE_COMMITTED: &str =
+    concat!(lookup_message!(), " LOCK IN SHARE MODE SKIP LOCKED");
 
 /// Saves the session's `innodb_lock_wait_timeout` and bounds the claim's lock waits
 /// (whole seconds, appended by the backend: an integer, never user text).
@@ -125,8 +146,14 @@ pub(crate) const SET_LOCK_WAIT: &str = "SET @idem_lock_wait = @@SESSION.innodb_l
      SESSION innodb_lock_wait_timeout = ";
 /// Gives the session (and the effect) its own `innodb_lock_wait_timeout` back.
 pub(crate) const RESTORE_LOCK_WAIT: &str = "SET SESSION innodb_lock_wait_timeout = @idem_lock_wait";
-/// The server's `max_allowed_packet`, named in the error for a payload above it.
-pub(crate) const MAX_ALLOWED_PACKET: &str = "SELECT @@max_allowed_packet";
+/// MariaDB: bounds one claim statement's lock waits without touching the session
+/// (`SET STATEMENT … FOR`, MariaDB 10.1.2+; MySQL has no such clause), so there is
+/// nothing to save or restore. Followed by whole seconds (an integer appended by the
+/// backend, never user text), `FOR ` and the statement.
+pub(crate) const SET_STATEMENT_LOCK_WAIT: &str = "SET STATEMENT innodb_lock_wait_timeout = ";
+/// The server's `max_allowed_packet`, named in the error for a payload above it, and
+/// its version (MariaDB's says so).
+pub(crate) const MAX_ALLOWED_PACKET: &str = "SELECT @@max_allowed_packet, @@version";
 
 /// Set when a message claim wins: a message record has no placeholder to complete, so
 /// this savepoint is what proves at commit time that the claiming transaction is still
@@ -380,15 +407,18 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("complete_request", COMPLETE_REQUEST),
     ("expired_request", EXPIRED_REQUEST),
     ("lookup_request", LOOKUP_REQUEST),
+    ("lookup_request_committed", LOOKUP_REQUEST_COMMITTED),
     ("read_committed", READ_COMMITTED),
     ("insert_message", INSERT_MESSAGE),
     ("select_message", SELECT_MESSAGE),
     ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
     ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
+    ("lookup_message_committed", LOOKUP_MESSAGE_COMMITTED),
     ("set_lock_wait", SET_LOCK_WAIT),
     ("restore_lock_wait", RESTORE_LOCK_WAIT),
     ("max_allowed_packet", MAX_ALLOWED_PACKET),
+    ("set_statement_lock_wait", SET_STATEMENT_LOCK_WAIT),
     ("savepoint_claimed", SAVEPOINT_CLAIMED),
     ("release_claimed", RELEASE_CLAIMED),
     ("purge_requests", PURGE_REQUESTS),

@@ -35,6 +35,12 @@
 //!    `citus.propagate_set_commands = 'local'`), a `set_config` call never, so a claim
 //!    waiting for a row on a shard would wait past its bound (seen live: a 500 ms bound,
 //!    a 4.1 s wait for the holder).
+//! 7. A message that sets `lock_timeout` with `SET LOCAL` holds nothing but `SET`
+//!    statements: Citus passes the message's whole text on to the workers, on every
+//!    connection the transaction has or opens there (seen live on 13.2.2: a `BEGIN` in
+//!    it warns "there is already a transaction in progress" from each worker, and an
+//!    `INSERT` in it fails with "cannot execute a distributed query from a query on a
+//!    shard").
 //!
 //! Migrations from 0004 on may run on tables Citus already manages: they follow the same
 //! rules, and an `ADD COLUMN` carries no constraint of its own (Citus wants constraints
@@ -707,7 +713,25 @@ fn word_at(nodes: &[Node], i: usize) -> Option<&str> {
 pub(crate) fn violations(sql: &str) -> Vec<String> {
     let cat = Catalog::load();
     let mut found = Vec::new();
-    for statement in statements(sql) {
+    let all_statements = statements(sql);
+    // Rule 7: Citus re-runs the whole message of a propagated `SET LOCAL` on its workers.
+    let propagates = all_statements.iter().any(|st| {
+        word_at(st, 0) == Some("set")
+            && word_at(st, 1) == Some("local")
+            && word_at(st, 2) == Some("lock_timeout")
+    });
+    if propagates
+        && all_statements
+            .iter()
+            .any(|st| word_at(st, 0) != Some("set"))
+    {
+        found.push(
+            "a SET LOCAL lock_timeout shares its message with other statements: Citus re-runs \
+             the whole message on every worker connection of the transaction"
+                .into(),
+        );
+    }
+    for statement in all_statements {
         if sets_with_set_config(&statement, "lock_timeout") {
             // Rule 6.
             found.push(
@@ -801,22 +825,25 @@ mod tests {
     /// to be merged (the request and message statements compare with
     /// `statement_timestamp()`, and claims insert `VALUES`). Empty this list as it lands: the test fails both when a
     /// listed statement passes and when any other statement breaks a rule.
-    const AWAITING_MERGE: &[&str] = &[
-        "insert_request",
-        "replace_expired_request",
-        "complete_request",
-        "insert_message",
-        "replace_expired_message",
-    ];
+    const AWAITING_MERGE: &[&str] = &[];
 
-    /// Statements that break a rule on `main` and on the branches: the lock bounds of the
-    /// claim and of run transactions (rule 6). For the lead to fix at the merge (`SET
-    /// LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '…ms'`,
-    /// checked live with the claim's wait bound); then empty this list.
-    const NOT_FIXED_YET: &[&str] = &[
-        "bound_lock_timeout",
-        "set_lock_timeout",
-        "restore_lock_timeout",
+    /// Statements that break a rule and must not: none left (the lock bounds are `SET
+    /// LOCAL`, sent with `BEGIN`). Kept so a regression has a place to be listed.
+    const NOT_FIXED_YET: &[&str] = &[];
+
+    /// Single-node PostgreSQL only, by design: the claim's and run transactions' `BEGIN`
+    /// carrying the bound (rule 7), and the claim writes that give the effect the
+    /// session's `lock_timeout` back in the same statement (`set_config` in their
+    /// `RETURNING`, rules 3 and 6). The backend finds Citus installed (once per backend)
+    /// and sends `BEGIN`, `bound_citus`, the plain writes and `restore_lock_timeout`
+    /// instead.
+    const SINGLE_NODE_ONLY: &[&str] = &[
+        "begin_claim",
+        "begin_bounded",
+        "insert_request_restore",
+        "replace_expired_request_restore",
+        "insert_message_restore",
+        "replace_expired_message_restore",
     ];
 
     /// The purges of `PurgeStyle::SkipLocked` on the distributed tables: Citus refuses
@@ -838,7 +865,10 @@ mod tests {
         let mut broken = Vec::new();
         let mut report = String::new();
         for (name, sql) in every_statement() {
-            if REFUSED_BY_DESIGN.contains(&name) || NOT_FIXED_YET.contains(&name) {
+            if REFUSED_BY_DESIGN.contains(&name)
+                || NOT_FIXED_YET.contains(&name)
+                || SINGLE_NODE_ONLY.contains(&name)
+            {
                 let found = violations(sql);
                 assert!(!found.is_empty(), "{name} passes now: take it off its list");
                 continue;
@@ -1013,10 +1043,12 @@ mod tests {
     #[test]
     fn lock_timeout_is_set_so_that_workers_get_it() {
         for (name, sql) in every_statement() {
-            if NOT_FIXED_YET.contains(&name) {
+            if NOT_FIXED_YET.contains(&name) || SINGLE_NODE_ONLY.contains(&name) {
                 let found = violations(sql);
                 assert!(
-                    found.iter().any(|f| f.starts_with("lock_timeout")),
+                    found
+                        .iter()
+                        .any(|f| f.starts_with("lock_timeout") || f.contains("SET LOCAL")),
                     "{name}: {found:?}"
                 );
             }
@@ -1031,6 +1063,18 @@ mod tests {
             violations(
                 "SELECT set_config('statement_timeout', '1s', true), 'set_config(lock_timeout)'"
             ),
+            Vec::<String>::new()
+        );
+        // Citus re-runs the whole message of a propagated SET LOCAL on its workers.
+        assert_eq!(
+            violations("BEGIN; SET LOCAL lock_timeout = '1s'"),
+            [
+                "a SET LOCAL lock_timeout shares its message with other statements: Citus re-runs \
+              the whole message on every worker connection of the transaction"
+            ]
+        );
+        assert_eq!(
+            violations("SET LOCAL lock_timeout TO DEFAULT"),
             Vec::<String>::new()
         );
     }

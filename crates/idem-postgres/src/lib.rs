@@ -14,15 +14,32 @@
 //!
 //! # Bounded waits
 //!
-//! The claim runs with `SET LOCAL lock_timeout` set to [`Claim::wait`] (whole
-//! milliseconds, rounded up, at least 1 ms; bound as a parameter through
-//! `set_config('lock_timeout', $1, true)`). A claim still waiting for a concurrent holder
-//! of the same identity when it elapses gets SQLSTATE 55P03; the backend rolls back and
-//! answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not retried). The same
-//! statement reads the session's own value first; once the claim is won it is set back
+//! The claim's `BEGIN` is one simple-query message that also keeps the session's own
+//! `lock_timeout` in the transaction-local setting `idem.lock_timeout` and sets
+//! `SET LOCAL lock_timeout` to [`Claim::wait`] (whole milliseconds, rounded up, at
+//! least 1 ms, formatted by the backend: an integer, never user data). On Citus (found
+//! once per backend in `pg_extension`) the bound is a message of its own after `BEGIN`,
+//! `SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = …`, so
+//! that Citus passes it on to its workers (it re-runs that message's whole text there,
+//! hence nothing else in it). A claim still waiting for
+//! a concurrent holder of the same identity when it elapses gets SQLSTATE 55P03; the
+//! backend rolls back and answers [`Claimed::InFlight`] (idem's `Error::InProgress`, not
+//! retried). Once the claim is won the effect gets the session's own value back
 //! (transaction-locally), so the bound never applies to the effect's own statements,
 //! whatever set the session's value (configuration, role, startup options, or a `SET`
-//! on the pooled connection).
+//! on the pooled connection). On a single node the claim's `INSERT` does that itself
+//! when it inserted (`INSERT … ON CONFLICT DO NOTHING RETURNING set_config(…)`), so
+//! the bound costs no round trip of its own. On Citus a separate `SET
+//! LOCAL lock_timeout TO DEFAULT` follows the claim, which reaches the workers: there
+//! the effect gets the *default* back (the configuration's, role's or startup
+//! options' value, not a plain `SET` made earlier on the pooled session; the workers
+//! never had that one).
+//!
+//! With the replay fast path on, [`Idem::execute`](idem_core::Idem::execute) reads the
+//! record and, when there is none, claims on the same pooled connection
+//! ([`Backend::lookup_or_claim`]): sqlx pings a connection when the pool hands it out
+//! (unless the pool was built with `test_before_acquire(false)`) and when it is
+//! returned, so one checkout instead of two saves those round trips.
 //!
 //! # Retention in the row, exact JSON
 //!
@@ -71,18 +88,19 @@ mod sql;
 use std::error::Error as StdError;
 use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
 use idem_core::claim::{self, Begun, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration,
-    PoolOptions, Status, Stored, Table,
+    PoolChecks, PoolOptions, Status, Stored, Table,
 };
 pub use sqlx;
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Connection, Postgres, Row};
+use sqlx::{Connection, Postgres, Row, SqlSafeStr};
 
 pub use citus::{Placed, Placement};
 pub use error_codes::db_error;
@@ -124,6 +142,8 @@ pub struct PgBackend {
     /// (SQLSTATE 0A000): later purges of this backend and its clones use
     /// [`PurgeStyle::Distributed`] at once.
     row_locks_refused: Arc<AtomicBool>,
+    /// Whether the database runs Citus (`CITUS_*`), read at the first claim.
+    citus: Arc<AtomicU8>,
 }
 
 /// How `purge_batch` deletes a bounded batch of expired records.
@@ -158,10 +178,10 @@ impl PgBackend {
     /// instead of a pool timeout.
     ///
     /// The pool keeps sqlx's ping on every checkout (`test_before_acquire`), one round
-    /// trip per call. A pool built with `PgPoolOptions::test_before_acquire(false)` and
-    /// passed to [`PgBackend::from_pool`] saves it (measured in `docs/performance.md`);
-    /// sqlx still pings every returned connection, which sends the `ROLLBACK` a dropped
-    /// transaction queued, and closes the connection if that fails.
+    /// trip per call; [`PgBackend::connect_pooled`] with [`PoolChecks::Off`] saves it
+    /// (measured in `docs/performance.md`). sqlx still pings every returned connection,
+    /// which sends the `ROLLBACK` a dropped transaction queued, and closes the
+    /// connection if that fails.
     pub async fn connect_with(
         options: PgConnectOptions,
         max_connections: u32,
@@ -172,8 +192,12 @@ impl PgBackend {
     }
 
     /// Connects with explicit options and the pool settings every idem engine takes
-    /// under the same names: `max_connections` and `acquire_timeout` (how long a call
-    /// waits for a free connection before it fails with a connection error).
+    /// under the same names: `max_connections`, `acquire_timeout` (how long a call
+    /// waits for a free connection before it fails with a connection error) and
+    /// `checks`: [`PoolChecks::Off`] turns off sqlx's ping of every connection it hands
+    /// out (`test_before_acquire`), one round trip per call (a dead connection is then
+    /// found by the call, as a retried connection error); the default keeps it. sqlx
+    /// pings every *returned* connection whatever this says.
     pub async fn connect_pooled(
         options: PgConnectOptions,
         pool: PoolOptions,
@@ -185,6 +209,7 @@ impl PgBackend {
         PgPoolOptions::new()
             .max_connections(u32::try_from(pool.max_connections.max(1)).unwrap_or(u32::MAX))
             .acquire_timeout(pool.acquire_timeout)
+            .test_before_acquire(pool.checks != PoolChecks::Off)
             .connect_with(options)
             .await
             .map(Self::from_pool)
@@ -197,6 +222,7 @@ impl PgBackend {
             pool,
             purge: PurgeStyle::default(),
             row_locks_refused: Arc::new(AtomicBool::new(false)),
+            citus: Arc::new(AtomicU8::new(CITUS_UNKNOWN)),
         }
     }
 
@@ -231,69 +257,120 @@ fn stored_request(row: &sqlx::postgres::PgRow) -> Result<Stored, DbError> {
 
 /// The claim's `lock_timeout`, as PostgreSQL reads it: whole milliseconds, rounded up,
 /// at least 1 (0 would mean "wait forever"), at most `i32::MAX`.
-fn lock_timeout(wait: Duration) -> String {
-    let ms = wait
-        .as_nanos()
+fn lock_timeout_ms(wait: Duration) -> u128 {
+    wait.as_nanos()
         .div_ceil(1_000_000)
-        .clamp(1, i32::MAX as u128);
-    format!("{ms}ms")
+        .clamp(1, i32::MAX as u128)
 }
 
-/// A claim's open transaction, with the session's own `lock_timeout` to give back.
+/// Whether the database runs Citus: not yet known, no, yes.
+const CITUS_UNKNOWN: u8 = 0;
+const CITUS_NO: u8 = 1;
+const CITUS_YES: u8 = 2;
+
+/// A claim's open transaction, and whether the effect already has the session's own
+/// `lock_timeout` back (a single-node claim write restores it in the same statement).
 #[derive(Debug)]
 pub struct PgOpen {
     tx: PgTx,
-    session_lock_timeout: String,
+    restored: bool,
+}
+
+/// One claim: the steps [`idem_core::claim::run`] walks, on the connection the fast
+/// path already holds when there is one (no second checkout: sqlx pings a connection
+/// when it hands it out and again when it is returned).
+struct PgClaim<'a> {
+    backend: &'a PgBackend,
+    conn: std::sync::Mutex<Option<PoolConnection<Postgres>>>,
 }
 
 impl PgBackend {
+    /// Whether this database runs Citus, asked once per backend (on `conn`).
+    async fn on_citus(&self, conn: &mut PgConnection) -> Result<bool, DbError> {
+        match self.citus.load(Ordering::Relaxed) {
+            CITUS_NO => Ok(false),
+            CITUS_YES => Ok(true),
+            _ => {
+                let yes: bool = sqlx::query_scalar(sql::CITUS_INSTALLED)
+                    .fetch_one(conn)
+                    .await
+                    .map_err(db_error)?;
+                self.citus
+                    .store(if yes { CITUS_YES } else { CITUS_NO }, Ordering::Relaxed);
+                Ok(yes)
+            }
+        }
+    }
+
     /// Runs one of the claim's writes (`INSERT … ON CONFLICT DO NOTHING` or the guarded
     /// takeover of an expired record); both take the key, the request and the retention.
+    /// `restore` runs the statement's variant that gives the session its `lock_timeout`
+    /// back when it wrote (one row back); the other reports the rows it wrote.
     async fn claim_write(
-        tx: &mut PgConnection,
+        open: &mut PgOpen,
         claim: &Claim<'_>,
-        request_sql: &'static str,
-        message_sql: &'static str,
+        restore: bool,
+        request_sql: [&'static str; 2],
+        message_sql: [&'static str; 2],
     ) -> Result<bool, DbError> {
+        let which = usize::from(restore);
         let query = match claim.id {
-            Identity::Request { scope, key } => sqlx::query(request_sql)
+            Identity::Request { scope, key } => sqlx::query(request_sql[which])
                 .bind(scope.principal.as_str())
                 .bind(scope.operation.as_str())
                 .bind(key.as_str()),
             Identity::Message {
                 subscriber,
                 message_id,
-            } => sqlx::query(message_sql)
+            } => sqlx::query(message_sql[which])
                 .bind(subscriber.as_str())
                 .bind(message_id.as_str()),
         };
-        let written = query
-            .bind(claim.request)
-            .bind(secs(claim.retention))
-            .execute(tx)
+        let query = query.bind(claim.request).bind(secs(claim.retention));
+        let wrote = if restore {
+            let restored = query
+                .fetch_optional(&mut *open.tx)
+                .await
+                .map_err(db_error)?
+                .is_some();
+            open.restored = restored;
+            restored
+        } else {
+            query
+                .execute(&mut *open.tx)
+                .await
+                .map_err(db_error)?
+                .rows_affected()
+                == 1
+        };
+        Ok(wrote)
+    }
+
+    /// Begins a transaction on `conn` with its lock waits bounded by `wait`. On a single
+    /// node `BEGIN` and the bound are one message (`single`); on Citus the bound is a
+    /// message of its own after `BEGIN`, which Citus passes on to the workers. sqlx's
+    /// own `Pool::begin_with` would check out a connection of its own.
+    pub(crate) async fn begin_bounded_on(
+        &self,
+        mut conn: PoolConnection<Postgres>,
+        wait: Duration,
+        single: fn(u128) -> String,
+    ) -> Result<PgTx, DbError> {
+        let ms = lock_timeout_ms(wait);
+        if !self.on_citus(&mut conn).await? {
+            let begin = sqlx::AssertSqlSafe(single(ms)).into_sql_str();
+            return sqlx::Transaction::begin(conn, Some(begin))
+                .await
+                .map_err(db_error);
+        }
+        let mut tx = sqlx::Transaction::begin(conn, None)
             .await
             .map_err(db_error)?;
-        Ok(written.rows_affected() == 1)
-    }
-}
-
-/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is an
-/// `INSERT` that inserted nothing (no error), and the re-read is a separate statement.
-impl ClaimSteps for PgBackend {
-    type Open = PgOpen;
-    type Won = PgTx;
-
-    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<PgOpen>, DbError> {
-        let mut tx = self.pool.begin().await.map_err(db_error)?;
-        let bound = sqlx::query_as::<_, (String, String)>(sql::SET_LOCK_TIMEOUT)
-            .bind(lock_timeout(claim.wait))
-            .fetch_one(&mut *tx)
+        let bound = sqlx::raw_sql(sqlx::AssertSqlSafe(sql::bound_citus(ms)))
+            .execute(&mut *tx)
             .await;
         match bound {
-            Ok((session_lock_timeout, _)) => Ok(Begun::Open(PgOpen {
-                tx,
-                session_lock_timeout,
-            })),
+            Ok(_) => Ok(tx),
             Err(e) => {
                 let _ = tx.rollback().await;
                 Err(db_error(e))
@@ -301,12 +378,45 @@ impl ClaimSteps for PgBackend {
         }
     }
 
+    /// Whether a claim write may restore `lock_timeout` itself (not on Citus).
+    fn restores_in_write(&self) -> bool {
+        self.citus.load(Ordering::Relaxed) == CITUS_NO
+    }
+}
+
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is an
+/// `INSERT` that inserted nothing (no error), and the re-read is a separate statement.
+impl ClaimSteps for PgClaim<'_> {
+    type Open = PgOpen;
+    type Won = PgTx;
+
+    fn engine(&self) -> &'static str {
+        "postgres"
+    }
+
+    async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<PgOpen>, DbError> {
+        let held = self.conn.lock().ok().and_then(|mut c| c.take());
+        let conn = match held {
+            Some(conn) => conn,
+            None => self.backend.pool.acquire().await.map_err(db_error)?,
+        };
+        let tx = self
+            .backend
+            .begin_bounded_on(conn, claim.wait, sql::begin_claim)
+            .await?;
+        Ok(Begun::Open(PgOpen {
+            tx,
+            restored: false,
+        }))
+    }
+
     async fn insert(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
-        Self::claim_write(
-            &mut open.tx,
+        PgBackend::claim_write(
+            open,
             claim,
-            sql::INSERT_REQUEST,
-            sql::INSERT_MESSAGE,
+            self.backend.restores_in_write(),
+            [sql::INSERT_REQUEST, sql::INSERT_REQUEST_RESTORE],
+            [sql::INSERT_MESSAGE, sql::INSERT_MESSAGE_RESTORE],
         )
         .await
     }
@@ -352,19 +462,30 @@ impl ClaimSteps for PgBackend {
     }
 
     async fn replace_expired(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
-        Self::claim_write(
-            &mut open.tx,
+        PgBackend::claim_write(
+            open,
             claim,
-            sql::REPLACE_EXPIRED_REQUEST,
-            sql::REPLACE_EXPIRED_MESSAGE,
+            self.backend.restores_in_write(),
+            [
+                sql::REPLACE_EXPIRED_REQUEST,
+                sql::REPLACE_EXPIRED_REQUEST_RESTORE,
+            ],
+            [
+                sql::REPLACE_EXPIRED_MESSAGE,
+                sql::REPLACE_EXPIRED_MESSAGE_RESTORE,
+            ],
         )
         .await
     }
 
     async fn ready(&self, open: &mut PgOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
-        // The effect runs with the session's own `lock_timeout`.
-        sqlx::query(sql::RESTORE_LOCK_TIMEOUT)
-            .bind(open.session_lock_timeout.as_str())
+        // The effect runs with the session's own `lock_timeout`; the claim's write gave
+        // it back already on a single node.
+        if open.restored {
+            return Ok(());
+        }
+        // On Citus: the write went alone (a `set_config` does not reach the workers).
+        sqlx::raw_sql(sql::RESTORE_LOCK_TIMEOUT)
             .execute(&mut *open.tx)
             .await
             .map(drop)
@@ -383,6 +504,48 @@ impl ClaimSteps for PgBackend {
 
     fn waited_too_long(&self, error: &DbError) -> bool {
         error.code() == Some(error_codes::LOCK_NOT_AVAILABLE)
+    }
+}
+
+impl PgBackend {
+    fn request_lookup<'q>(
+        claim: &Claim<'q>,
+    ) -> sqlx::query::Query<'q, Postgres, sqlx::postgres::PgArguments> {
+        match claim.id {
+            Identity::Request { scope, key } => sqlx::query(sql::LOOKUP_REQUEST)
+                .bind(scope.principal.as_str())
+                .bind(scope.operation.as_str())
+                .bind(key.as_str()),
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => sqlx::query(sql::LOOKUP_MESSAGE)
+                .bind(subscriber.as_str())
+                .bind(message_id.as_str()),
+        }
+    }
+
+    /// The fast path's read on `conn`.
+    async fn lookup_on(
+        conn: &mut PgConnection,
+        claim: &Claim<'_>,
+    ) -> Result<Option<Stored>, DbError> {
+        let row = Self::request_lookup(claim)
+            .fetch_optional(conn)
+            .await
+            .map_err(db_error)?;
+        match claim.id {
+            Identity::Request { .. } => row.as_ref().map(stored_request).transpose(),
+            Identity::Message { .. } => row
+                .map(|r| {
+                    Ok(Stored {
+                        request: r.try_get(0).map_err(db_error)?,
+                        response: None,
+                        status: Status::Succeeded,
+                    })
+                })
+                .transpose(),
+        }
     }
 }
 
@@ -409,41 +572,29 @@ impl Backend for PgBackend {
     type Tx = PgTx;
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
-        match claim.id {
-            Identity::Request { scope, key } => {
-                let row = sqlx::query(sql::LOOKUP_REQUEST)
-                    .bind(scope.principal.as_str())
-                    .bind(scope.operation.as_str())
-                    .bind(key.as_str())
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-                row.as_ref().map(stored_request).transpose()
-            }
-            Identity::Message {
-                subscriber,
-                message_id,
-            } => {
-                let row = sqlx::query(sql::LOOKUP_MESSAGE)
-                    .bind(subscriber.as_str())
-                    .bind(message_id.as_str())
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(db_error)?;
-                row.map(|r| {
-                    Ok(Stored {
-                        request: r.try_get(0).map_err(db_error)?,
-                        response: None,
-                        status: Status::Succeeded,
-                    })
-                })
-                .transpose()
-            }
-        }
+        let mut conn = self.pool.acquire().await.map_err(db_error)?;
+        Self::lookup_on(&mut conn, claim).await
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<PgTx>, DbError> {
-        claim::run(self, claim).await
+        let steps = PgClaim {
+            backend: self,
+            conn: std::sync::Mutex::new(None),
+        };
+        claim::run(&steps, claim).await
+    }
+
+    /// The fast path's read and, when it finds nothing, the claim, on one connection.
+    async fn lookup_or_claim(&self, claim: &Claim<'_>) -> Result<Claimed<PgTx>, DbError> {
+        let mut conn = self.pool.acquire().await.map_err(db_error)?;
+        if let Some(stored) = Self::lookup_on(&mut conn, claim).await? {
+            return Ok(Claimed::Found(stored));
+        }
+        let steps = PgClaim {
+            backend: self,
+            conn: std::sync::Mutex::new(Some(conn)),
+        };
+        claim::run(&steps, claim).await
     }
 
     async fn finish(

@@ -3,7 +3,8 @@
 //!
 //! A run transaction is a plain READ COMMITTED transaction from the pool (the session's
 //! isolation, as the claim uses). With a wait bound, `lock_timeout` is set for this
-//! transaction only (`set_config('lock_timeout', …, true)`), so a row lock held longer
+//! transaction only (`SET LOCAL lock_timeout`, sent with `BEGIN` in one message; on
+//! Citus a message of its own, passed on to the workers), so a row lock held longer
 //! than the bound fails with SQLSTATE 55P03 ([`ErrorKind::LockTimeout`]) and the
 //! session keeps its own value afterwards. The relay's claim reads with
 //! `FOR UPDATE SKIP LOCKED`; `pending_ids` is a plain read that sees every pending row.
@@ -19,7 +20,7 @@ use idem_core::runs::{
 };
 use idem_core::{DbError, Key, OutboxStore, RunStore, Scope, Status};
 
-use crate::{PgBackend, PgTx, db_error, lock_timeout, secs, sql};
+use crate::{PgBackend, PgTx, db_error, secs, sql};
 
 type RunColumns = (
     String,
@@ -35,18 +36,13 @@ type RunColumns = (
 
 impl RunStore for PgBackend {
     async fn begin_runs(&self, wait: Option<Duration>) -> Result<PgTx, DbError> {
-        let mut tx = self.pool().begin().await.map_err(db_error)?;
-        if let Some(wait) = wait {
-            let bound = sqlx::query(sql::BOUND_LOCK_TIMEOUT)
-                .bind(lock_timeout(wait))
-                .execute(&mut *tx)
-                .await;
-            if let Err(e) = bound {
-                let _ = tx.rollback().await;
-                return Err(db_error(e));
+        match wait {
+            Some(wait) => {
+                let conn = self.pool().acquire().await.map_err(db_error)?;
+                self.begin_bounded_on(conn, wait, sql::begin_bounded).await
             }
+            None => self.pool().begin().await.map_err(db_error),
         }
-        Ok(tx)
     }
 
     async fn commit_runs(&self, tx: PgTx) -> Result<(), DbError> {

@@ -5,12 +5,6 @@ macro_rules! cutoff {
         concat!("clock_timestamp() - make_interval(secs => $", $n, ")")
     };
 }
-/// One reading of the database clock, shared by every column a statement sets.
-macro_rules! now {
-    () => {
-        "(SELECT clock_timestamp() AS t) AS now"
-    };
-}
 macro_rules! request_pk {
     () => {
         "principal = $1 AND operation = $2 AND request_key = $3"
@@ -22,31 +16,106 @@ macro_rules! message_pk {
     };
 }
 
+/// A claim's `BEGIN` on a single node, one message: the session's own `lock_timeout`
+/// (whatever set it: configuration, role, startup options or a `SET` on the pooled
+/// connection) is kept in the transaction-local setting `idem.lock_timeout` for the
+/// restore, then the bound is set: whole milliseconds formatted by the backend (an
+/// integer, never user data), then `ms'`.
+macro_rules! begin_claim {
+    () => {
+        "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true); SET LOCAL lock_timeout = '"
+    };
+}
+/// A run transaction's `BEGIN` on a single node with its bound (for the whole
+/// transaction).
+macro_rules! begin_bounded {
+    () => {
+        "BEGIN; SET LOCAL lock_timeout = '"
+    };
+}
+/// The bound on Citus, a message of its own after `BEGIN` (Citus re-runs the whole text
+/// of a message holding a propagated `SET LOCAL` on its workers, so nothing else may be
+/// in it): `citus.propagate_set_commands = 'local'` makes Citus pass the `SET LOCAL` on
+/// to the connections the transaction has or opens on its workers.
+macro_rules! bound_citus {
+    () => {
+        "SET LOCAL citus.propagate_set_commands = 'local'; SET LOCAL lock_timeout = '"
+    };
+}
+/// The claim's `BEGIN` with its bound, for `ms` milliseconds (single node).
+pub(crate) fn begin_claim(ms: u128) -> String {
+    format!("{}{ms}ms'", begin_claim!())
+}
+/// A run transaction's `BEGIN` with its bound, for `ms` milliseconds (single node).
+pub(crate) fn begin_bounded(ms: u128) -> String {
+    format!("{}{ms}ms'", begin_bounded!())
+}
+/// The bound on Citus, after a plain `BEGIN`, for `ms` milliseconds.
+pub(crate) fn bound_citus(ms: u128) -> String {
+    format!("{}{ms}ms'", bound_citus!())
+}
+/// On Citus, once the claim is won: the effect gets the default `lock_timeout` back, on
+/// the coordinator and (propagated) on the workers. On a single node the claim's write
+/// restores the session's exact value instead (see `then_restore!`).
+pub(crate) const RESTORE_LOCK_TIMEOUT: &str = "SET LOCAL lock_timeout TO DEFAULT";
+/// Appended to a claim write (an `INSERT … ON CONFLICT DO NOTHING` or the guarded
+/// takeover) so that, when it wrote its row, the same statement gives the effect the
+/// session's `lock_timeout` back: `RETURNING` is computed once the row is written, after
+/// any wait, so the write itself stays bounded; no row, no restore. Single-node
+/// PostgreSQL only: a `set_config` is not passed on to Citus workers, so on Citus the
+/// write goes alone and [`RESTORE_LOCK_TIMEOUT`] follows. The claim's `BEGIN`
+/// ([`begin_claim`]) kept the session's value.
+macro_rules! then_restore {
+    ($write:expr) => {
+        concat!(
+            $write,
+            " RETURNING set_config('lock_timeout', current_setting('idem.lock_timeout'), true)"
+        )
+    };
+}
+
+/// The database clock of the claim's writes: `statement_timestamp()`, STABLE (one
+/// reading per statement, shared by every column it sets), which Citus accepts in
+/// modifications of distributed tables where it refuses the VOLATILE
+/// `clock_timestamp()`.
+macro_rules! insert_request {
+    () => {
+        concat!(
+            "INSERT INTO idem_request_result (principal, operation, request_key, request, created_at, expires_at) ",
+            "VALUES ($1, $2, $3, $4, statement_timestamp(), statement_timestamp() + make_interval(secs => $5)) ",
+            "ON CONFLICT (principal, operation, request_key) DO NOTHING"
+        )
+    };
+}
 /// The claim: conflicts wait for the other transaction (bounded by `lock_timeout`) and
-/// then do nothing. `created_at` and `expires_at` come from one reading of the database
-/// clock. Params: principal, operation, key, request, retention (s).
-pub(crate) const INSERT_REQUEST: &str = concat!(
-    "INSERT INTO idem_request_result (principal, operation, request_key, request, created_at, expires_at) ",
-    "SELECT $1, $2, $3, $4, now.t, now.t + make_interval(secs => $5) FROM ",
-    now!(),
-    " ON CONFLICT (principal, operation, request_key) DO NOTHING"
-);
+/// then do nothing. `VALUES`, not a `SELECT`: Citus counts the rows an `INSERT …
+/// SELECT` sent, not the rows it inserted. Params: principal, operation, key, request,
+/// retention (s).
+pub(crate) const INSERT_REQUEST: &str = insert_request!();
+/// [`INSERT_REQUEST`] restoring the session's `lock_timeout` when it inserted (one row
+/// back) — see `then_restore!`.
+pub(crate) const INSERT_REQUEST_RESTORE: &str = then_restore!(insert_request!());
 /// The separate re-read after a conflict: under READ COMMITTED a new statement sees the
 /// winner's committed row, which the INSERT's snapshot may not have.
 pub(crate) const SELECT_REQUEST: &str = concat!(
     "SELECT request, response, status, expires_at <= clock_timestamp() AS expired FROM idem_request_result WHERE ",
     request_pk!()
 );
+macro_rules! replace_expired_request {
+    () => {
+        concat!(
+            "UPDATE idem_request_result SET request = $4, response = NULL, status = 0, created_at = statement_timestamp(), ",
+            "expires_at = statement_timestamp() + make_interval(secs => $5) WHERE ",
+            request_pk!(),
+            " AND expires_at <= statement_timestamp()"
+        )
+    };
+}
 /// Takes an expired record over as a fresh placeholder. Params: principal, operation,
 /// key, request, retention (s).
-pub(crate) const REPLACE_EXPIRED_REQUEST: &str = concat!(
-    "UPDATE idem_request_result SET request = $4, response = NULL, status = 0, created_at = now.t, ",
-    "expires_at = now.t + make_interval(secs => $5) FROM ",
-    now!(),
-    " WHERE ",
-    request_pk!(),
-    " AND expires_at <= now.t"
-);
+pub(crate) const REPLACE_EXPIRED_REQUEST: &str = replace_expired_request!();
+/// [`REPLACE_EXPIRED_REQUEST`] restoring the session's `lock_timeout` when it replaced.
+pub(crate) const REPLACE_EXPIRED_REQUEST_RESTORE: &str = then_restore!(replace_expired_request!());
 /// Completes the placeholder just before `COMMIT`: exactly one row, still unfinished in
 /// this transaction and not expired while the effect ran (else a waiting loser could
 /// take the committed record over and run the effect again). Params: principal,
@@ -54,11 +123,11 @@ pub(crate) const REPLACE_EXPIRED_REQUEST: &str = concat!(
 pub(crate) const COMPLETE_REQUEST: &str = concat!(
     "UPDATE idem_request_result SET response = $4, status = $5 WHERE ",
     request_pk!(),
-    " AND response IS NULL AND expires_at > clock_timestamp()"
+    " AND response IS NULL AND expires_at > statement_timestamp()"
 );
 /// Why a completion found no row: `Some(true)` when the record expired.
 pub(crate) const EXPIRED_REQUEST: &str = concat!(
-    "SELECT expires_at <= clock_timestamp() FROM idem_request_result WHERE ",
+    "SELECT expires_at <= statement_timestamp() FROM idem_request_result WHERE ",
     request_pk!()
 );
 /// The replay fast path. Params: principal, operation, key.
@@ -68,31 +137,42 @@ pub(crate) const LOOKUP_REQUEST: &str = concat!(
     " AND expires_at > clock_timestamp()"
 );
 
+macro_rules! insert_message {
+    () => {
+        concat!(
+            "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) ",
+            "VALUES ($1, $2, $3, statement_timestamp(), statement_timestamp() + make_interval(secs => $4)) ",
+            "ON CONFLICT (subscriber, message_id) DO NOTHING"
+        )
+    };
+}
 /// Params: subscriber, message ID, fingerprint, retention (s).
-pub(crate) const INSERT_MESSAGE: &str = concat!(
-    "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) ",
-    "SELECT $1, $2, $3, now.t, now.t + make_interval(secs => $4) FROM ",
-    now!(),
-    " ON CONFLICT (subscriber, message_id) DO NOTHING"
-);
+pub(crate) const INSERT_MESSAGE: &str = insert_message!();
+/// [`INSERT_MESSAGE`] restoring the session's `lock_timeout` when it inserted.
+pub(crate) const INSERT_MESSAGE_RESTORE: &str = then_restore!(insert_message!());
 pub(crate) const SELECT_MESSAGE: &str = concat!(
     "SELECT fingerprint, expires_at <= clock_timestamp() AS expired FROM idem_processed_message WHERE ",
     message_pk!()
 );
+macro_rules! replace_expired_message {
+    () => {
+        concat!(
+            "UPDATE idem_processed_message SET fingerprint = $3, processed_at = statement_timestamp(), ",
+            "expires_at = statement_timestamp() + make_interval(secs => $4) WHERE ",
+            message_pk!(),
+            " AND expires_at <= statement_timestamp()"
+        )
+    };
+}
 /// Params: subscriber, message ID, fingerprint, retention (s).
-pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = concat!(
-    "UPDATE idem_processed_message SET fingerprint = $3, processed_at = now.t, ",
-    "expires_at = now.t + make_interval(secs => $4) FROM ",
-    now!(),
-    " WHERE ",
-    message_pk!(),
-    " AND expires_at <= now.t"
-);
+pub(crate) const REPLACE_EXPIRED_MESSAGE: &str = replace_expired_message!();
+/// [`REPLACE_EXPIRED_MESSAGE`] restoring the session's `lock_timeout` when it replaced.
+pub(crate) const REPLACE_EXPIRED_MESSAGE_RESTORE: &str = then_restore!(replace_expired_message!());
 /// Before a message's commit: `true` while the claimed row is live, `false` when it
 /// expired while the effect ran, no row when it is gone (the effect ended the
 /// transaction). A plain read: the transaction sees its own row.
 pub(crate) const EXPIRED_MESSAGE: &str = concat!(
-    "SELECT expires_at <= clock_timestamp() FROM idem_processed_message WHERE ",
+    "SELECT expires_at <= statement_timestamp() FROM idem_processed_message WHERE ",
     message_pk!()
 );
 pub(crate) const LOOKUP_MESSAGE: &str = concat!(
@@ -100,6 +180,11 @@ pub(crate) const LOOKUP_MESSAGE: &str = concat!(
     message_pk!(),
     " AND expires_at > clock_timestamp()"
 );
+
+/// Whether this database runs Citus (read once per backend): the claim then sends its
+/// writes and the restore of `lock_timeout` as separate statements.
+pub(crate) const CITUS_INSTALLED: &str =
+    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')";
 
 /// Records that are expired **and** were claimed at least `$1` seconds ago, oldest
 /// expiry first; rows locked by a live transaction are skipped. Params: older than (s),
@@ -403,22 +488,6 @@ pub(crate) const PURGE_OUTBOX_DISTRIBUTED: &str = concat!(
     " ORDER BY id LIMIT $2)"
 );
 
-/// Bounds every lock wait of a run transaction (`begin_runs` with a wait), for this
-/// transaction only (`is_local`): the session's own value is back once it ends. Params:
-/// the bound, as text (`"500ms"`).
-pub(crate) const BOUND_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', $1, true)";
-
-/// Bounds the claim's lock waits for this transaction only (`is_local`), and returns
-/// the value the effect must get back (the session's, whatever set it: configuration,
-/// role, startup options or a `SET` on the pooled connection). The `MATERIALIZED` CTE
-/// reads it before `set_config` runs. Params: the bound, as text (`"500ms"`).
-pub(crate) const SET_LOCK_TIMEOUT: &str = "WITH old AS MATERIALIZED (SELECT current_setting('lock_timeout') AS v) \
-     SELECT old.v, set_config('lock_timeout', $1, true) FROM old";
-/// Gives the effect the session's `lock_timeout` back once the claim is won (still
-/// transaction-local: the session keeps its value after the transaction). Params: the
-/// value [`SET_LOCK_TIMEOUT`] returned.
-pub(crate) const RESTORE_LOCK_TIMEOUT: &str = "SELECT set_config('lock_timeout', $1, true)";
-
 /// Serializes concurrent migrators of one schema.
 pub(crate) const MIGRATION_LOCK: &str =
     "SELECT pg_advisory_xact_lock(hashtext(current_schema() || '.idem_schema_migrations'))";
@@ -430,17 +499,30 @@ pub(crate) const INSERT_MIGRATION: &str =
 
 #[cfg(test)]
 pub(crate) const ALL: &[(&str, &str)] = &[
+    ("begin_claim", concat!(begin_claim!(), "250ms'")),
+    ("bound_citus", concat!(bound_citus!(), "250ms'")),
     ("insert_request", INSERT_REQUEST),
+    ("insert_request_restore", INSERT_REQUEST_RESTORE),
     ("select_request", SELECT_REQUEST),
     ("replace_expired_request", REPLACE_EXPIRED_REQUEST),
+    (
+        "replace_expired_request_restore",
+        REPLACE_EXPIRED_REQUEST_RESTORE,
+    ),
     ("complete_request", COMPLETE_REQUEST),
     ("expired_request", EXPIRED_REQUEST),
     ("lookup_request", LOOKUP_REQUEST),
     ("insert_message", INSERT_MESSAGE),
+    ("insert_message_restore", INSERT_MESSAGE_RESTORE),
     ("select_message", SELECT_MESSAGE),
     ("replace_expired_message", REPLACE_EXPIRED_MESSAGE),
+    (
+        "replace_expired_message_restore",
+        REPLACE_EXPIRED_MESSAGE_RESTORE,
+    ),
     ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
+    ("citus_installed", CITUS_INSTALLED),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
     ("purge_requests_distributed", PURGE_REQUESTS_DISTRIBUTED),
@@ -471,8 +553,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("purge_runs_distributed", PURGE_RUNS_DISTRIBUTED),
     ("purge_outbox", PURGE_OUTBOX),
     ("purge_outbox_distributed", PURGE_OUTBOX_DISTRIBUTED),
-    ("bound_lock_timeout", BOUND_LOCK_TIMEOUT),
-    ("set_lock_timeout", SET_LOCK_TIMEOUT),
+    ("begin_bounded", concat!(begin_bounded!(), "250ms'")),
     ("restore_lock_timeout", RESTORE_LOCK_TIMEOUT),
     ("migration_lock", MIGRATION_LOCK),
     ("create_migrations", CREATE_MIGRATIONS),

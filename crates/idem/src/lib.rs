@@ -4,8 +4,8 @@ pub use idem_core as core;
 pub use idem_core::{
     Backend, BoxFuture, CompleteReport, Consumed, DbError, Error, ErrorKind, Finished, Idem,
     InvalidInput, Key, Maintenance, MessageId, Operation, OutboxStore, Outcome, Outgoing,
-    Principal, Publisher, PurgeReport, RelayError, RelayFailure, RelayOptions, RelayReport,
-    Request, RetryPolicy, Run, RunStore, Scope, Started, Subscriber,
+    PoolChecks, PoolOptions, Principal, Publisher, PurgeReport, RelayError, RelayFailure,
+    RelayOptions, RelayReport, Request, RetryPolicy, Run, RunStore, Scope, Started, Subscriber,
 };
 
 /// HTTP `Idempotency-Key` for axum (feature `axum`): see `docs/http.md`.

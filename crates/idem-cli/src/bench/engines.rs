@@ -26,11 +26,11 @@ impl PoolMode {
     pub(crate) fn describe(self, engine: &str) -> &'static str {
         match (engine, self) {
             ("postgres", Self::Idem) => "idem's connect (sqlx defaults: a ping per checkout)",
-            ("postgres", Self::Driver) => "sqlx defaults (a ping per checkout)",
-            ("postgres", Self::Lean) => "test_before_acquire(false): no ping per checkout",
+            ("postgres", Self::Driver) => "PoolChecks::On (sqlx's ping per checkout)",
+            ("postgres", Self::Lean) => "PoolChecks::Off: no ping per checkout",
             ("mysql", Self::Idem) => "idem's connect (no session reset per return)",
-            ("mysql", Self::Driver) => "mysql_async defaults (COM_RESET_CONNECTION per return)",
-            ("mysql", Self::Lean) => "reset_connection(false): no session reset per return",
+            ("mysql", Self::Driver) => "PoolChecks::On (COM_RESET_CONNECTION per return)",
+            ("mysql", Self::Lean) => "PoolChecks::Off: no session reset per return",
             _ => "idem's connect",
         }
     }
@@ -101,10 +101,10 @@ fn to_u64(n: i64) -> u64 {
 mod postgres {
     use std::str::FromStr;
 
-    use idem::DbError;
     use idem::postgres::sqlx;
-    use idem::postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+    use idem::postgres::sqlx::postgres::PgConnectOptions;
     use idem::postgres::{PgBackend, db_error};
+    use idem::{DbError, PoolChecks, PoolOptions};
     use idem_conformance::postgres::PgBank;
 
     use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
@@ -176,18 +176,13 @@ $$;
                 .map_err(db_error)?
                 .options([("search_path", ns)]);
             let max = u32::try_from(pool).unwrap_or(u32::MAX);
-            let test_before_acquire = match mode {
+            // The library's own option, as a user sets it.
+            let checks = match mode {
                 PoolMode::Idem => return PgBackend::connect_with(options, max).await,
-                PoolMode::Driver => true,
-                PoolMode::Lean => false,
+                PoolMode::Driver => PoolChecks::On,
+                PoolMode::Lean => PoolChecks::Off,
             };
-            let pool = PgPoolOptions::new()
-                .max_connections(max)
-                .test_before_acquire(test_before_acquire)
-                .connect_with(options)
-                .await
-                .map_err(db_error)?;
-            Ok(PgBackend::from_pool(pool))
+            PgBackend::connect_pooled(options, PoolOptions::new(pool).checks(checks)).await
         }
 
         async fn release(b: PgBackend) {
@@ -272,10 +267,10 @@ $$;
 
 #[cfg(feature = "mysql")]
 mod mysql {
-    use idem::DbError;
     use idem::mysql::mysql_async::prelude::Queryable;
     use idem::mysql::mysql_async::{OptsBuilder, PoolConstraints, TxOpts};
     use idem::mysql::{MysqlBackend, db_error, parse_url};
+    use idem::{DbError, PoolChecks, PoolOptions};
     use idem_conformance::mysql::MysqlBank;
 
     use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
@@ -357,15 +352,16 @@ END";
             if let Some(c) = PoolConstraints::new(pool.min(10), pool) {
                 pool_opts = pool_opts.with_constraints(c);
             }
-            match mode {
-                PoolMode::Idem => {}
-                PoolMode::Driver => pool_opts = pool_opts.with_reset_connection(true),
-                PoolMode::Lean => pool_opts = pool_opts.with_reset_connection(false),
-            }
             let opts = OptsBuilder::from_opts(opts)
                 .db_name(Some(ns))
                 .pool_opts(pool_opts);
-            MysqlBackend::connect_with(opts).await
+            // The library's own option, as a user sets it.
+            let checks = match mode {
+                PoolMode::Idem => return MysqlBackend::connect_with(opts).await,
+                PoolMode::Driver => PoolChecks::On,
+                PoolMode::Lean => PoolChecks::Off,
+            };
+            MysqlBackend::connect_pooled(opts, PoolOptions::new(pool).checks(checks)).await
         }
 
         async fn release(b: MysqlBackend) {

@@ -58,7 +58,16 @@ impl Statement {
         let (kind, next_word) = {
             let mut words = keywords(&text);
             let kind = words.next().unwrap_or_default();
-            (kind, words.next().unwrap_or_default())
+            let next = words.next().unwrap_or_default();
+            if kind == "SET" && next == "STATEMENT" {
+                // MariaDB's `SET STATEMENT var = value, … FOR <statement>`: the statement
+                // after `FOR` is what runs.
+                let mut words = words.skip_while(|w| w != "FOR").skip(1);
+                let kind = words.next().unwrap_or_default();
+                (kind, words.next().unwrap_or_default())
+            } else {
+                (kind, next)
+            }
         };
         Self {
             kind,
@@ -69,7 +78,9 @@ impl Statement {
     }
 
     /// The statement's first keyword, upper case (`COMMIT`, `INSERT`, `SET`); comments
-    /// and leading punctuation are skipped. Empty when the text has no word.
+    /// and leading punctuation are skipped, and so is MariaDB's `SET STATEMENT … FOR`
+    /// prefix (the kind of `SET STATEMENT x = 1 FOR INSERT …` is `INSERT`). Empty when
+    /// the text has no word.
     pub fn kind(&self) -> &str {
         &self.kind
     }
@@ -641,6 +652,13 @@ mod tests {
         let s = Statement::new("\u{0}\u{1}START TRANSACTION", vec![]);
         assert_eq!(s.kind(), "START");
         assert_eq!(Statement::new("", vec![]).kind(), "");
+        let s = Statement::new(
+            "SET STATEMENT innodb_lock_wait_timeout = 1 FOR INSERT INTO t VALUES (?)",
+            vec![],
+        );
+        assert_eq!(s.kind(), "INSERT");
+        let s = Statement::new("SET STATEMENT max_statement_time = 2 FOR", vec![]);
+        assert_eq!(s.kind(), "");
     }
 
     #[test]
