@@ -6,7 +6,8 @@
 #  2. `cargo publish --dry-run` of the same set (nothing is uploaded; --no-verify, as step 1
 #     has just built these very packages);
 #  3. a registry user's program: the facade's README example, built and run against the
-#     unpacked .crate files alone (a [patch.crates-io] per package), every feature on.
+#     unpacked .crate files alone (a [patch.crates-io] per package), with the feature that
+#     program uses (sqlite); step 1 has built every other package from its own contents.
 # Run by ci/test.sh; runnable alone: ci/package.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -52,7 +53,8 @@ for crate in "${crates[@]}"; do
   tar -xzf "$crate" -C "$work/unpacked"
   dir=$(basename "$crate" .crate)
   name=${dir%-*}
-  case $name in idem-cli | idem-conformance) continue ;; esac # not in a library user's graph
+  # The program's graph: the facade with SQLite (every idem package in it must come from here).
+  case $name in idem-core | idem-sqlite | idem-db) ;; *) continue ;; esac
   patches+="$name = { path = \"../unpacked/$dir\" }"$'\n'
 done
 facade=$(ls -d "$work"/unpacked/idem-db-*)
@@ -67,7 +69,7 @@ edition = "2024"
 publish = false
 
 [dependencies]
-idem-db = { version = "0.1.0", features = ["sqlite", "postgres", "mysql", "mssql", "oracle", "axum", "amqp", "nats", "metrics"] }
+idem-db = { version = "0.1.0", features = ["sqlite"] }
 serde_json = "1"
 thiserror = "2"
 tokio = { version = "1", features = ["macros", "rt-multi-thread"] }
