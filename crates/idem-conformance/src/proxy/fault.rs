@@ -217,7 +217,20 @@ impl Faults {
 
     /// Connection `conn` sends `statement`: every armed fault moves along its trigger;
     /// the first one that completes it (and is not skipping) hits.
+    ///
+    /// A message that holds several statements (a simple query) is followed statement
+    /// by statement; a fault that hits any of them hits the message, the unit on the
+    /// wire (its reply lost after all of them ran, or all of them cut).
     pub fn decide(&mut self, conn: u64, statement: &Statement) -> Option<(FaultId, Action)> {
+        let mut hit = None;
+        for part in statement.parts() {
+            let decided = self.decide_one(conn, &part);
+            hit = hit.or(decided);
+        }
+        hit
+    }
+
+    fn decide_one(&mut self, conn: u64, statement: &Statement) -> Option<(FaultId, Action)> {
         let mut hit = None;
         for slot in self.slots.iter_mut().filter(|s| s.remaining > 0) {
             let at = slot.progress.entry(conn).or_insert(0);
@@ -325,6 +338,49 @@ mod tests {
         assert_eq!(f.decide(3, &update), Some((id, Action::Cut)));
         assert_eq!(f.decide(1, &update), None);
         assert_eq!(f.hits(id), 2);
+    }
+
+    /// A completion and its `COMMIT` in one simple query, with the key as hex digits
+    /// (single-node PostgreSQL), and MariaDB's compound statement: the `COMMIT` after the
+    /// marker is found inside the message, and the message is what the fault hits.
+    #[test]
+    fn statements_inside_one_message() {
+        let mut f = Faults::default();
+        let after_update = f.arm(Fault::lose_reply(Trigger::commit_after(
+            Marker::kind("update")
+                .with("idem_request_result")
+                .with("k-1"),
+        )));
+        let on_update = f.arm(Fault::cut(Trigger::on(
+            Marker::kind("update")
+                .with("idem_request_result")
+                .with("k-2"),
+        )));
+        assert_eq!(
+            f.decide(1, &st("BEGIN; SET LOCAL lock_timeout = '5ms'", "")),
+            None
+        );
+        let pg = st(
+            "UPDATE idem_request_result SET response = convert_from(decode('7b7d', 'hex'), \
+             'UTF8') WHERE request_key = convert_from(decode('6B2D31', 'hex'), 'UTF8'); SELECT \
+             coalesce(NULL, 'idem: record gone; not')::integer; COMMIT; BEGIN",
+            "",
+        );
+        assert_eq!(pg.parts().len(), 4);
+        // The key travels as hex digits: the marker finds it in the UPDATE, and the
+        // COMMIT after it, all in one message.
+        assert_eq!(f.decide(1, &pg), Some((after_update, Action::LoseReply)));
+        let maria = st(
+            "BEGIN NOT ATOMIC UPDATE idem_request_result SET status = 0 WHERE request_key = \
+             _utf8mb4 X'6B2D32'; IF ROW_COUNT() <> 1 THEN SIGNAL SQLSTATE '45000' SET \
+             MESSAGE_TEXT = 'idem: gone'; END IF; COMMIT; END",
+            "",
+        );
+        let kinds: Vec<String> = maria.parts().iter().map(|p| p.kind().to_owned()).collect();
+        assert_eq!(kinds, ["UPDATE", "IF", "END", "COMMIT", "END"]);
+        assert!(!maria.parts()[2].is_transaction_boundary(), "END IF");
+        assert_eq!(f.decide(2, &maria), Some((on_update, Action::Cut)));
+        assert_eq!((f.hits(after_update), f.hits(on_update)), (1, 1));
     }
 
     #[test]

@@ -65,6 +65,12 @@ impl Statement {
                 let mut words = words.skip_while(|w| w != "FOR").skip(1);
                 let kind = words.next().unwrap_or_default();
                 (kind, words.next().unwrap_or_default())
+            } else if kind == "BEGIN" && next == "NOT" {
+                // MariaDB's compound statement `BEGIN NOT ATOMIC <statement>; …; END`: it
+                // opens no transaction; its first statement is what runs first.
+                let mut words = words.skip_while(|w| w != "ATOMIC").skip(1);
+                let kind = words.next().unwrap_or_default();
+                (kind, words.next().unwrap_or_default())
             } else {
                 (kind, next)
             }
@@ -98,16 +104,39 @@ impl Statement {
         &self.params
     }
 
-    /// Whether `needle` occurs in the text or in the parameter bytes.
+    /// Whether `needle` occurs in the text or in the parameter bytes, or in the text as
+    /// hex digits (either case): the form in which idem writes values into a message
+    /// that cannot bind them.
     pub fn contains(&self, needle: &[u8]) -> bool {
-        find(self.text.as_bytes(), needle) || find(&self.params, needle)
+        find(self.text.as_bytes(), needle)
+            || find(&self.params, needle)
+            || find_hex(self.text.as_bytes(), needle)
+    }
+
+    /// The statements of this message in order: a simple query (PostgreSQL `Query`,
+    /// MySQL `COM_QUERY`) may hold several, separated by `;` outside quotes and
+    /// comments; anything else is one. Each part keeps the message's parameters.
+    pub fn parts(&self) -> Vec<Statement> {
+        let pieces = split_statements(&self.text);
+        if pieces.len() <= 1 {
+            return vec![self.clone()];
+        }
+        pieces
+            .into_iter()
+            .map(|text| Statement::new(text, self.params.clone()))
+            .collect()
     }
 
     /// Whether this statement starts or ends a transaction (`BEGIN`, `START
-    /// TRANSACTION`, `COMMIT`, `END`, `ROLLBACK` but not `ROLLBACK TO SAVEPOINT`).
+    /// TRANSACTION`, `COMMIT`, `END`, `ROLLBACK` but not `ROLLBACK TO SAVEPOINT`, nor
+    /// the `END IF`/`END LOOP`/… of a MariaDB compound statement).
     pub fn is_transaction_boundary(&self) -> bool {
         match self.kind.as_str() {
-            "BEGIN" | "START" | "COMMIT" | "END" | "ABORT" => true,
+            "BEGIN" | "START" | "COMMIT" | "ABORT" => true,
+            "END" => !matches!(
+                self.next_word.as_str(),
+                "IF" | "LOOP" | "WHILE" | "CASE" | "REPEAT" | "FOR"
+            ),
             "ROLLBACK" => self.next_word != "TO",
             _ => false,
         }
@@ -125,6 +154,57 @@ impl Statement {
 
 fn find(haystack: &[u8], needle: &[u8]) -> bool {
     needle.is_empty() || haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+fn find_hex(haystack: &[u8], needle: &[u8]) -> bool {
+    if needle.is_empty() {
+        return false;
+    }
+    let hex: Vec<u8> = needle
+        .iter()
+        .flat_map(|b| format!("{b:02x}").into_bytes())
+        .collect();
+    haystack
+        .windows(hex.len())
+        .any(|w| w.eq_ignore_ascii_case(&hex))
+}
+
+/// `text` cut at each `;` that is outside quotes (`'…'`, `"…"`, `` `…` ``) and
+/// comments; empty pieces are dropped.
+fn split_statements(text: &str) -> Vec<&str> {
+    let b = text.as_bytes();
+    let mut pieces = Vec::new();
+    let (mut start, mut i) = (0, 0);
+    while i < b.len() {
+        match b[i] {
+            q @ (b'\'' | b'"' | b'`') => {
+                i += 1;
+                while i < b.len() && b[i] != q {
+                    i += 1;
+                }
+            }
+            b'-' if b[i..].starts_with(b"--") => {
+                while i < b.len() && b[i] != b'\n' {
+                    i += 1;
+                }
+            }
+            b'/' if b[i..].starts_with(b"/*") => {
+                i = b[i + 2..]
+                    .windows(2)
+                    .position(|w| w == b"*/")
+                    .map_or(b.len(), |p| i + 2 + p + 1);
+            }
+            b';' => {
+                pieces.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    pieces.push(&text[start..]);
+    pieces.retain(|p| !p.trim().is_empty());
+    pieces
 }
 
 /// The words of a statement, upper case, skipping comments and anything that is not
