@@ -263,10 +263,13 @@ fn lock_timeout_ms(wait: Duration) -> u128 {
         .clamp(1, i32::MAX as u128)
 }
 
-/// Whether the database runs Citus: not yet known, no, yes.
+/// Which server the backend talks to: not yet known; PostgreSQL without Citus; Citus; a
+/// server that speaks PostgreSQL's protocol but is not PostgreSQL (CockroachDB,
+/// YugabyteDB), which keeps each statement in a message of its own.
 const CITUS_UNKNOWN: u8 = 0;
 const CITUS_NO: u8 = 1;
 const CITUS_YES: u8 = 2;
+const NOT_POSTGRES: u8 = 3;
 
 /// A claim's open transaction, and whether the effect already has the session's own
 /// `lock_timeout` back (a single-node claim write restores it in the same statement).
@@ -285,21 +288,32 @@ struct PgClaim<'a> {
 }
 
 impl PgBackend {
-    /// Whether this database runs Citus, asked once per backend (on `conn`).
+    /// Whether this database runs Citus, asked once per backend (on `conn`), with
+    /// whether the server is PostgreSQL itself.
     async fn on_citus(&self, conn: &mut PgConnection) -> Result<bool, DbError> {
         match self.citus.load(Ordering::Relaxed) {
-            CITUS_NO => Ok(false),
+            CITUS_NO | NOT_POSTGRES => Ok(false),
             CITUS_YES => Ok(true),
             _ => {
-                let yes: bool = sqlx::query_scalar(sql::CITUS_INSTALLED)
+                let (citus, postgres): (bool, Option<bool>) = sqlx::query_as(sql::CITUS_INSTALLED)
                     .fetch_one(conn)
                     .await
                     .map_err(db_error)?;
-                self.citus
-                    .store(if yes { CITUS_YES } else { CITUS_NO }, Ordering::Relaxed);
-                Ok(yes)
+                let flavor = match (citus, postgres) {
+                    (true, _) => CITUS_YES,
+                    (false, Some(true)) => CITUS_NO,
+                    (false, _) => NOT_POSTGRES,
+                };
+                self.citus.store(flavor, Ordering::Relaxed);
+                Ok(citus)
             }
         }
+    }
+
+    /// Whether a completion and its `COMMIT` go as one message (single-node
+    /// PostgreSQL, known once the claim has begun).
+    fn commits_with_completion(&self) -> bool {
+        self.citus.load(Ordering::Relaxed) == CITUS_NO
     }
 
     /// Runs one of the claim's writes (`INSERT … ON CONFLICT DO NOTHING` or the guarded
@@ -380,7 +394,7 @@ impl PgBackend {
 
     /// Whether a claim write may restore `lock_timeout` itself (not on Citus).
     fn restores_in_write(&self) -> bool {
-        self.citus.load(Ordering::Relaxed) == CITUS_NO
+        matches!(self.citus.load(Ordering::Relaxed), CITUS_NO | NOT_POSTGRES)
     }
 }
 
@@ -549,6 +563,50 @@ impl PgBackend {
     }
 }
 
+impl PgBackend {
+    /// The completion (or a message's check) and `COMMIT` as one message: one round
+    /// trip. A completion that finds no unfinished, unexpired record fails inside that
+    /// message, before its `COMMIT`, and the transaction is rolled back. A lost reply
+    /// leaves the outcome unknown, exactly as a lost reply to a lone `COMMIT` does.
+    async fn complete_and_commit(
+        mut tx: PgTx,
+        claim: &Claim<'_>,
+        response: Option<&str>,
+        status: Status,
+    ) -> Result<(), DbError> {
+        let message = match claim.id {
+            Identity::Request { scope, key } => sql::complete_request_and_commit(
+                scope.principal.as_str(),
+                scope.operation.as_str(),
+                key.as_str(),
+                response,
+                status.code(),
+            ),
+            Identity::Message {
+                subscriber,
+                message_id,
+            } => sql::check_message_and_commit(subscriber.as_str(), message_id.as_str()),
+        };
+        match sqlx::raw_sql(sqlx::AssertSqlSafe(message))
+            .execute(&mut *tx)
+            .await
+        {
+            // Committed; the message began an empty transaction, which the ROLLBACK sqlx
+            // queues as `tx` drops ends with the ping that returns the connection.
+            Ok(_) => Ok(()),
+            Err(e) => {
+                let e = db_error(e);
+                let _ = tx.rollback().await;
+                Err(match e.message() {
+                    m if m.contains(sql::NOT_COMPLETED_EXPIRED) => not_completed(Some(true)),
+                    m if m.contains(sql::NOT_COMPLETED_GONE) => not_completed(None),
+                    _ => e,
+                })
+            }
+        }
+    }
+}
+
 /// The error of a completion that found no unfinished, unexpired record.
 fn not_completed(expired: Option<bool>) -> DbError {
     if expired == Some(true) {
@@ -607,6 +665,9 @@ impl Backend for PgBackend {
             Finish::Rollback => return tx.rollback().await.map_err(db_error),
             Finish::Commit { response, status } => (response, status),
         };
+        if self.commits_with_completion() {
+            return Self::complete_and_commit(tx, claim, response, status).await;
+        }
         let checked = match claim.id {
             Identity::Request { scope, key } => {
                 let (p, o, k) = (

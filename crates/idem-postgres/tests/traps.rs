@@ -381,3 +381,76 @@ async fn a_terminated_session_is_a_connection_error() {
     assert_eq!(err.code(), Some("57P01"), "{err}");
     drop_private(admin, backend, schema).await;
 }
+
+/// A completion and its `COMMIT` travel as one message that ends by beginning an empty
+/// transaction (sqlx still counts the one it began); the `ROLLBACK` sqlx queues for it
+/// goes out with the ping that returns the connection. On a pool of one connection, the
+/// next checkout must find it outside any transaction, the record and the effect
+/// committed, and a key and response with quotes, backslashes and non-ASCII text stored
+/// byte for byte.
+#[tokio::test]
+async fn a_completed_request_returns_its_connection_outside_any_transaction() {
+    let (admin, wide, schema) = private("onemsg").await;
+    let options = PgConnectOptions::from_str(&url())
+        .unwrap()
+        .options([("search_path", schema.as_str())]);
+    let backend = PgBackend::connect_with(options, 1).await.unwrap();
+    sqlx::query("CREATE TABLE effect_rows (n int)")
+        .execute(backend.pool())
+        .await
+        .unwrap();
+    let idem = Idem::new(backend.clone());
+    let key = Key::new(r"k'; -- \ é 🦀").unwrap();
+    let answer = serde_json::json!({"s": "a'b\\c\"d é", "n": 1});
+    for round in 0..3 {
+        let expected = answer.clone();
+        let out = idem
+            .execute(
+                &scope(),
+                &key,
+                &Request::new(serde_json::json!({"n": 1})),
+                move |tx| {
+                    let expected = expected.clone();
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effect_rows VALUES (1)")
+                            .execute(&mut **tx)
+                            .await?;
+                        Ok::<_, sqlx::Error>(expected)
+                    })
+                },
+            )
+            .await
+            .unwrap();
+        if round == 0 {
+            assert_eq!(out, Outcome::Executed(answer.clone()));
+        } else {
+            assert_eq!(out, Outcome::Replayed(answer.clone()));
+        }
+        // `SAVEPOINT` is refused outside a transaction block (25P01): the connection came
+        // back outside any transaction.
+        let mut conn = backend.pool().acquire().await.unwrap();
+        let err = sqlx::query("SAVEPOINT probe")
+            .execute(&mut *conn)
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.as_database_error().and_then(|d| d.code()).as_deref(),
+            Some("25P01"),
+            "{err}"
+        );
+    }
+    let (rows, stored_key, response): (i64, String, String) = sqlx::query_as(
+        "SELECT (SELECT count(*) FROM effect_rows), request_key, response FROM idem_request_result",
+    )
+    .fetch_one(backend.pool())
+    .await
+    .unwrap();
+    assert_eq!(rows, 1, "the effect ran once");
+    assert_eq!(stored_key, key.as_str());
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&response).unwrap(),
+        answer
+    );
+    backend.pool().close().await;
+    drop_private(admin, wide, schema).await;
+}
