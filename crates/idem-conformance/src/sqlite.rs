@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use idem::core::{BoxFuture, DbError, ErrorKind, Maintenance};
-use idem::sqlite::rusqlite::{OptionalExtension, params};
+use idem::sqlite::rusqlite::{self, OptionalExtension, params};
 use idem::sqlite::{Location, SqliteBackend, SqliteTx, db_error};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
@@ -46,22 +46,45 @@ fn run_effect(
     amount: i64,
     debit: bool,
 ) -> BoxFuture<'_, Result<Balance, BankError>> {
-    Box::pin(tx.run(move |c| {
-        let sql = if debit {
-            "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance"
-        } else {
-            "UPDATE idem_demo_account SET balance = balance + ?2 WHERE account_id = ?1 RETURNING balance"
-        };
-        let updated = c.query_row(sql, params![account, amount], |r| r.get::<_, i64>(0)).optional().map_err(db_error)?;
-        if let Some(balance) = updated {
-            return Ok(Balance { balance });
-        }
-        let exists = c
-            .query_row("SELECT 1 FROM idem_demo_account WHERE account_id = ?1", [account], |_| Ok(()))
-            .optional()
-            .map_err(db_error)?;
-        Err(if exists.is_some() { BankError::Insufficient } else { BankError::NoAccount(account) })
-    }))
+    Box::pin(tx.run(move |c| move_balance(c, account, amount, debit)))
+}
+
+/// The demo bank's debit (or credit) on a connection, as synchronous code: what an
+/// effect runs through `SqliteTx::run` or `ExecuteBlocking::execute_blocking`.
+pub fn move_balance(
+    c: &rusqlite::Connection,
+    account: i64,
+    amount: i64,
+    debit: bool,
+) -> Result<Balance, BankError> {
+    let sql = if debit {
+        "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance"
+    } else {
+        "UPDATE idem_demo_account SET balance = balance + ?2 WHERE account_id = ?1 RETURNING balance"
+    };
+    let updated = c
+        .prepare_cached(sql)
+        .and_then(|mut s| {
+            s.query_row(params![account, amount], |r| r.get::<_, i64>(0))
+                .optional()
+        })
+        .map_err(db_error)?;
+    if let Some(balance) = updated {
+        return Ok(Balance { balance });
+    }
+    let exists = c
+        .query_row(
+            "SELECT 1 FROM idem_demo_account WHERE account_id = ?1",
+            [account],
+            |_| Ok(()),
+        )
+        .optional()
+        .map_err(db_error)?;
+    Err(if exists.is_some() {
+        BankError::Insufficient
+    } else {
+        BankError::NoAccount(account)
+    })
 }
 
 impl Bank for SqliteBank {

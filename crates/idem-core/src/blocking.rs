@@ -23,13 +23,20 @@
 //! - [`BlockingPool::close`] waits for every lease to come back; later leases fail with
 //!   "connection pool closed".
 //!
+//! A caller that is already on a blocking thread and runs a whole call there
+//! ([`on_this_thread`]: SQLite's `execute_blocking`) makes each [`Lease::run`] of that
+//! thread call its closure in place, with the same checks, instead of handing it to
+//! another blocking thread: one trip to the blocking pool per call instead of one per
+//! statement.
+//!
 //! Why not deadpool-sync's `SyncWrapper`: its `Drop` calls `spawn_blocking(..).unwrap()`,
 //! which panics when the last clone of a backend is dropped outside a Tokio runtime, and
 //! its constructor panics when opening panics; the [`Blocking`] wrapper here drops the
 //! connection inline when no runtime exists and never panics in `Drop`.
 
+use std::cell::Cell;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -147,6 +154,59 @@ pub trait Manager: Send + Sync + 'static {
     }
 }
 
+/// How many closures leases handed to tokio's blocking pool (see [`trips`]).
+static TRIPS: AtomicU64 = AtomicU64::new(0);
+
+/// How many times, since the process started, a [`Lease`] (or a checkout's check, or an
+/// open) handed a closure to another thread of tokio's blocking pool: the blocking
+/// engines' round trips, for `idem bench` and tests to count. Calls made in place
+/// ([`on_this_thread`]) are not trips.
+pub fn trips() -> u64 {
+    TRIPS.load(Ordering::Relaxed)
+}
+
+thread_local! {
+    /// Set by [`on_this_thread`]: this thread's leases run their closures in place.
+    static IN_PLACE: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Runs `f` with every [`Lease::run`] (and every check at checkout) made by this thread
+/// calling its closure in place, on this thread, instead of on another thread of the
+/// blocking pool; afterwards the thread is as before (also when `f` panics).
+///
+/// For a caller that is itself on a blocking thread (inside
+/// [`tokio::task::spawn_blocking`]) and drives a whole idem call there with
+/// [`tokio::runtime::Handle::block_on`]: the call then costs one trip to the blocking
+/// pool instead of one per statement. Never call it on an async worker thread: every
+/// driver call would block that thread.
+pub fn on_this_thread<T>(f: impl FnOnce() -> T) -> T {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            IN_PLACE.with(|p| p.set(self.0));
+        }
+    }
+    let _restore = Restore(IN_PLACE.with(|p| p.replace(true)));
+    f()
+}
+
+/// Runs `f` on a thread of tokio's blocking pool, as one trip (counted by [`trips`]),
+/// with every [`Lease::run`] it makes there called in place ([`on_this_thread`]): a
+/// whole call driven by `f` (with [`tokio::runtime::Handle::block_on`]) costs one trip.
+///
+/// # Errors
+///
+/// tokio's [`JoinError`](tokio::task::JoinError) when `f` panicked (re-raise it with
+/// [`std::panic::resume_unwind`]) or the runtime is shutting down.
+pub async fn in_one_trip<T, F>(f: F) -> Result<T, tokio::task::JoinError>
+where
+    F: FnOnce() -> T + Send + 'static,
+    T: Send + 'static,
+{
+    TRIPS.fetch_add(1, Ordering::Relaxed);
+    tokio::task::spawn_blocking(move || on_this_thread(f)).await
+}
+
 /// A blocking connection behind a mutex, used only on tokio's blocking pool.
 pub struct Blocking<C: Send + 'static> {
     conn: Arc<Mutex<Option<C>>>,
@@ -170,7 +230,17 @@ impl<C: Send + 'static> Blocking<C> {
         F: FnOnce(&C, &AtomicBool) -> T + Send + 'static,
         T: Send + 'static,
     {
+        if IN_PLACE.with(Cell::get) {
+            // The caller is on a blocking thread already ([`on_this_thread`]). A panic of
+            // `f` unwinds from here and poisons the lock, as on another thread.
+            let guard = match self.conn.lock() {
+                Ok(guard) => guard,
+                Err(_) => return Ok(None),
+            };
+            return Ok(guard.as_ref().map(|conn| f(conn, &self.clean)));
+        }
         let (conn, clean) = (Arc::clone(&self.conn), Arc::clone(&self.clean));
+        TRIPS.fetch_add(1, Ordering::Relaxed);
         tokio::task::spawn_blocking(move || {
             // A poisoned lock: a closure panicked while it held the connection.
             let guard = conn.lock().ok()?;
@@ -209,6 +279,7 @@ impl<M: Manager> managed::Manager for Adapter<M> {
 
     async fn create(&self) -> Result<Self::Type, DbError> {
         let manager = Arc::clone(&self.0);
+        TRIPS.fetch_add(1, Ordering::Relaxed);
         match tokio::task::spawn_blocking(move || manager.open()).await {
             Ok(Ok(conn)) => Ok(Blocking {
                 conn: Arc::new(Mutex::new(Some(conn))),

@@ -71,6 +71,7 @@ pub mod error_codes;
 pub mod leader;
 mod runs;
 mod sql;
+mod sync_effect;
 
 use std::collections::HashSet;
 use std::error::Error as StdError;
@@ -90,6 +91,7 @@ use rusqlite::{Connection, OptionalExtension, params};
 
 pub use error_codes::db_error;
 pub use leader::{SqliteHeld, SqliteLeaderLock};
+pub use sync_effect::ExecuteBlocking;
 
 /// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
@@ -394,22 +396,7 @@ impl SqliteBackend {
         if manager.location != Location::Memory {
             return self.pool.lease().await;
         }
-        let current = tokio::task::try_id();
-        let held_by = *self
-            .holder
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if current.is_some() && current == held_by {
-            // The caller is the effect of the transaction that holds the only
-            // connection: waiting would never end.
-            return Err(DbError::new(
-                ENGINE,
-                ErrorKind::Configuration,
-                "SqliteBackend::interact (or another idem call) was used inside an effect on an \
-                 in-memory database: its only connection is the effect's own transaction. Run \
-                 the effect's SQL with SqliteTx::run",
-            ));
-        }
+        self.refuse_nested()?;
         let wait = manager.busy_timeout;
         match tokio::time::timeout(wait, self.pool.lease()).await {
             Ok(lease) => lease,
@@ -425,9 +412,33 @@ impl SqliteBackend {
         }
     }
 
+    /// Refuses a call that would wait for an in-memory database's only connection while
+    /// the calling task's own idem transaction holds it: the wait would never end.
+    fn refuse_nested(&self) -> Result<(), DbError> {
+        if self.pool.manager().location != Location::Memory {
+            return Ok(());
+        }
+        let current = tokio::task::try_id();
+        let held_by = *self
+            .holder
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.is_some() && current == held_by {
+            return Err(DbError::new(
+                ENGINE,
+                ErrorKind::Configuration,
+                "SqliteBackend::interact (or another idem call) was used inside an effect on an \
+                 in-memory database: its only connection is the effect's own transaction. Run \
+                 the effect's SQL with SqliteTx::run",
+            ));
+        }
+        Ok(())
+    }
+
     /// A connection for a claim, waited for at most `wait`; `Ok(None)` when it did not
-    /// come in time.
+    /// come in time. A nested call on an in-memory database is refused at once.
     async fn lease_within(&self, wait: Duration) -> Result<Option<Lease<Sqlite>>, DbError> {
+        self.refuse_nested()?;
         match tokio::time::timeout(wait, self.pool.lease()).await {
             Ok(lease) => lease.map(Some),
             Err(_) => Ok(None),
@@ -652,11 +663,18 @@ impl From<&Claim<'_>> for ClaimOwned {
 }
 
 /// A claim's open `BEGIN IMMEDIATE` transaction (the write lock is held), with the
-/// claim's owned copy for the blocking pool and the database clock read when it was won.
+/// claim's owned copy for the blocking pool, and what the trip that began it read: the
+/// record (if any) and the database clock. When the replay fast path found a live record
+/// in that same trip, no transaction was begun (`in_tx` is false) and the claim ends on
+/// it without another trip.
 pub struct SqliteOpen {
     lease: Lease<Sqlite>,
     claim: Arc<ClaimOwned>,
-    claimed_at: i64,
+    in_tx: bool,
+    /// The record read in the trip that began the transaction, until `reread` takes it.
+    first_read: Option<Option<Stored>>,
+    /// The database clock (µs) read in that trip: the record's `created_at`.
+    claimed_at: Option<i64>,
 }
 
 impl fmt::Debug for SqliteOpen {
@@ -675,20 +693,43 @@ fn read_first_only() -> DbError {
     )
 }
 
+/// What the claim's one trip to the blocking pool found.
+enum Opened {
+    /// The fast path's read (outside any transaction) found a live record.
+    Found(Stored),
+    /// `BEGIN IMMEDIATE` holds the write lock; the record read inside it, and the clock.
+    Begun(Option<Stored>, i64),
+}
+
+/// One claim: the steps [`idem_core::claim::run`] walks. With `lookup_first` (the
+/// replay fast path, [`Backend::lookup_or_claim`]) the trip that begins the transaction
+/// first reads the record outside any transaction, and begins nothing when it is live.
+struct SqliteClaim<'a> {
+    backend: &'a SqliteBackend,
+    lookup_first: bool,
+}
+
 /// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. SQLite declares
 /// [`Capabilities::read_first`]: `BEGIN IMMEDIATE` takes the database's write lock (its
 /// wait bounded by the claim's wait), so no other writer can claim anything until this
 /// transaction ends; the claim is one read of a live record, and the record is written
-/// once, with its response, by the completion.
-impl ClaimSteps for SqliteBackend {
+/// once, with its response, by the completion. The read and the clock reading the
+/// record needs travel with `BEGIN IMMEDIATE`: a new request's claim is one trip to the
+/// blocking pool (with the fast path's read too).
+impl ClaimSteps for SqliteClaim<'_> {
     type Open = SqliteOpen;
     type Won = SqliteTx;
+
+    fn engine(&self) -> &'static str {
+        ENGINE
+    }
 
     fn capabilities(&self) -> Capabilities {
         Capabilities::new().read_first(true)
     }
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<SqliteOpen>, DbError> {
+        let backend = self.backend;
         let wait = claim.wait;
         let claim = Arc::new(ClaimOwned::from(claim));
         let busy = || {
@@ -698,27 +739,53 @@ impl ClaimSteps for SqliteBackend {
                 format!("the database stayed locked for the claim's wait bound ({wait:?})"),
             )
         };
-        let Some(mut lease) = self.lease_within(wait).await? else {
-            return self.not_in_time(&claim.id, busy());
+        let Some(mut lease) = backend.lease_within(wait).await? else {
+            return backend.not_in_time(&claim.id, busy());
         };
-        let busy_timeout = self.pool.manager().busy_timeout.min(wait);
-        let configured = self.pool.manager().busy_timeout;
-        let begun = lease
-            .run(move |c| -> Result<(), DbError> {
+        // An open transaction of this backend claimed it: no committed, live record
+        // exists; the claim waits (bounded) for that transaction.
+        let lookup_first = self.lookup_first && !backend.is_in_flight(&claim.id);
+        let busy_timeout = backend.pool.manager().busy_timeout.min(wait);
+        let configured = backend.pool.manager().busy_timeout;
+        let owned = Arc::clone(&claim);
+        let opened = lease
+            .run(move |c| -> Result<Opened, DbError> {
+                if lookup_first && let Some(stored) = read_record(c, &owned)? {
+                    return Ok(Opened::Found(stored));
+                }
                 // The wait for the write lock is bounded by the claim's wait.
                 c.busy_timeout(busy_timeout).map_err(db_error)?;
                 let begun = c.execute_batch(sql::BEGIN_IMMEDIATE);
                 c.busy_timeout(configured).map_err(db_error)?;
-                begun.map_err(db_error)
+                begun.map_err(db_error)?;
+                let read = read_record(c, &owned).and_then(|found| {
+                    let now = c
+                        .query_row(sql::NOW, [], |r| r.get::<_, i64>(0))
+                        .map_err(db_error)?;
+                    Ok(Opened::Begun(found, now))
+                });
+                if read.is_err() {
+                    let _ = c.execute_batch(sql::ROLLBACK);
+                }
+                read
             })
             .await;
-        match begun {
-            Ok(()) => Ok(Begun::Open(SqliteOpen {
+        match opened {
+            Ok(Opened::Found(stored)) => Ok(Begun::Open(SqliteOpen {
                 lease,
                 claim,
-                claimed_at: 0,
+                in_tx: false,
+                first_read: Some(Some(stored)),
+                claimed_at: None,
             })),
-            Err(e) if e.kind() == ErrorKind::Busy => self.not_in_time(&claim.id, e),
+            Ok(Opened::Begun(found, now)) => Ok(Begun::Open(SqliteOpen {
+                lease,
+                claim,
+                in_tx: true,
+                first_read: Some(found),
+                claimed_at: Some(now),
+            })),
+            Err(e) if e.kind() == ErrorKind::Busy => backend.not_in_time(&claim.id, e),
             Err(e) => Err(e),
         }
     }
@@ -728,8 +795,13 @@ impl ClaimSteps for SqliteBackend {
     }
 
     async fn reread(&self, open: &mut SqliteOpen, _claim: &Claim<'_>) -> Result<Existing, DbError> {
-        let claim = Arc::clone(&open.claim);
-        let found = open.lease.run(move |c| read_record(c, &claim)).await?;
+        let found = match open.first_read.take() {
+            Some(found) => found,
+            None => {
+                let claim = Arc::clone(&open.claim);
+                open.lease.run(move |c| read_record(c, &claim)).await?
+            }
+        };
         // The read sees live records only: an expired one is overwritten at completion.
         Ok(found.map_or(Existing::Vanished, Existing::Live))
     }
@@ -739,21 +811,29 @@ impl ClaimSteps for SqliteBackend {
     }
 
     async fn ready(&self, open: &mut SqliteOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
-        open.claimed_at = open
-            .lease
-            .run(|c| c.query_row(sql::NOW, [], |r| r.get::<_, i64>(0)))
-            .await
-            .map_err(db_error)?;
+        if open.claimed_at.is_none() {
+            let now = open
+                .lease
+                .run(|c| c.query_row(sql::NOW, [], |r| r.get::<_, i64>(0)))
+                .await
+                .map_err(db_error)?;
+            open.claimed_at = Some(now);
+        }
         Ok(())
     }
 
     fn won(&self, open: SqliteOpen, _claim: &Claim<'_>) -> SqliteTx {
         let id = open.claim.id.clone();
-        lock(&self.in_flight).insert(id.clone());
-        self.open_tx(open.lease, open.claimed_at, Some(id))
+        lock(&self.backend.in_flight).insert(id.clone());
+        self.backend
+            .open_tx(open.lease, open.claimed_at.unwrap_or(0), Some(id))
     }
 
     async fn rollback(&self, mut open: SqliteOpen) -> Result<(), DbError> {
+        if !open.in_tx {
+            // The fast path's read began nothing.
+            return Ok(());
+        }
         // A connection still inside the transaction is rolled back by the pool before
         // reuse.
         open.lease
@@ -783,7 +863,21 @@ impl Backend for SqliteBackend {
     }
 
     async fn claim(&self, claim: &Claim<'_>) -> Result<Claimed<SqliteTx>, DbError> {
-        claim::run(self, claim).await
+        let steps = SqliteClaim {
+            backend: self,
+            lookup_first: false,
+        };
+        claim::run(&steps, claim).await
+    }
+
+    /// The fast path's read and, when it finds nothing, `BEGIN IMMEDIATE` with the
+    /// claim's read: one trip to the blocking pool, on one connection.
+    async fn lookup_or_claim(&self, claim: &Claim<'_>) -> Result<Claimed<SqliteTx>, DbError> {
+        let steps = SqliteClaim {
+            backend: self,
+            lookup_first: true,
+        };
+        claim::run(&steps, claim).await
     }
 
     async fn finish(
