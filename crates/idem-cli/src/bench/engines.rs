@@ -50,6 +50,20 @@ pub(crate) trait BenchEngine: Bank {
     const FUNCTION: Option<&'static str>;
     /// Whether the engine is reached over TCP (round trips are counted through a proxy).
     const NETWORK: bool;
+    /// Whether the engine runs a synchronous effect in one trip (path (h)).
+    const SYNC_EFFECT: bool = false;
+
+    /// Path (h): an idempotent debit of 1 with `key` whose effect is synchronous code;
+    /// `true` when it executed (`false`: replayed).
+    fn new_sync(
+        _idem: &idem::Idem<Self::B>,
+        _scope: &idem::Scope,
+        _key: &idem::Key,
+        _request: &idem::Request,
+        _account: i64,
+    ) -> impl Future<Output = Result<bool, String>> + Send {
+        async { Err("no synchronous-effect call on this engine".to_owned()) }
+    }
 
     /// A second backend on the fixture's private namespace with a pool of `pool`
     /// connections, set up as `mode` says.
@@ -483,6 +497,23 @@ mod sqlite {
     impl BenchEngine for SqliteBank {
         const FUNCTION: Option<&'static str> = None;
         const NETWORK: bool = false;
+        const SYNC_EFFECT: bool = true;
+
+        async fn new_sync(
+            idem: &idem::Idem<SqliteBackend>,
+            scope: &idem::Scope,
+            key: &idem::Key,
+            request: &idem::Request,
+            account: i64,
+        ) -> Result<bool, String> {
+            use idem::sqlite::ExecuteBlocking;
+            idem.execute_blocking(scope, key, request, move |c| {
+                idem_conformance::sqlite::move_balance(c, account, 1, true)
+            })
+            .await
+            .map(|out| !out.is_replayed())
+            .map_err(|e| e.to_string())
+        }
         const SIZE_METHOD: &'static str =
             "dbstat: pages of the table and its indexes (page size included)";
 

@@ -54,10 +54,13 @@ pub(crate) enum Path {
     Consumer,
     /// (g) the seed's `debit_once` as a server-side function, with a new key.
     Function,
+    /// (h) an idempotent debit with a new key whose effect is synchronous code, the
+    /// whole call in one trip to the blocking pool (SQLite's `execute_blocking`).
+    NewSync,
 }
 
 impl Path {
-    const ALL: [Path; 7] = [
+    const ALL: [Path; 8] = [
         Path::Bare,
         Path::New,
         Path::Replay,
@@ -65,6 +68,7 @@ impl Path {
         Path::Storm,
         Path::Consumer,
         Path::Function,
+        Path::NewSync,
     ];
 
     pub(crate) fn letter(self) -> char {
@@ -76,6 +80,7 @@ impl Path {
             Path::Storm => 'e',
             Path::Consumer => 'f',
             Path::Function => 'g',
+            Path::NewSync => 'h',
         }
     }
 
@@ -88,6 +93,7 @@ impl Path {
             Path::Storm => "same-key storm",
             Path::Consumer => "consumer (new message)",
             Path::Function => "server-side debit_once",
+            Path::NewSync => "idem new request, synchronous effect",
         }
     }
 
@@ -100,6 +106,7 @@ impl Path {
             Path::Storm => "storm",
             Path::Consumer => "consumer",
             Path::Function => "debit_once",
+            Path::NewSync => "idem new (sync)",
         }
     }
 }
@@ -146,6 +153,9 @@ pub(crate) struct Ratios {
     pub(crate) replay_over_read: Option<f64>,
     /// (b)/(g): idem new request over the seed's server-side function.
     pub(crate) new_over_function: Option<f64>,
+    /// (h)/(a): idem new request with a synchronous effect over the bare debit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) new_sync_over_bare: Option<f64>,
 }
 
 /// Client→server round trips per operation, counted through the proxy.
@@ -256,6 +266,13 @@ async fn op<K: BenchEngine>(ctx: &Ctx<K>, path: Path, clients: usize) -> Result<
                 | (Path::Replay, Outcome::Replayed(_))
                 | (Path::Storm, _) => Ok(()),
                 (_, other) => Err(format!("unexpected outcome {other:?}")),
+            }
+        }
+        Path::NewSync => {
+            let key = Key::new(ctx.fresh('h')).map_err(|e| text(&e))?;
+            match K::new_sync(&ctx.idem, &ctx.scope, &key, &ctx.request, account).await? {
+                true => Ok(()),
+                false => Err("unexpected outcome: replayed".into()),
             }
         }
         Path::Consumer => {
@@ -528,6 +545,7 @@ async fn measure<K: BenchEngine>(
     let paths: Vec<Path> = Path::ALL
         .into_iter()
         .filter(|p| *p != Path::Function || K::FUNCTION.is_some())
+        .filter(|p| *p != Path::NewSync || K::SYNC_EFFECT)
         .collect();
     let mut cells: Vec<(Path, usize)> = opts
         .clients
@@ -596,6 +614,7 @@ async fn measure<K: BenchEngine>(
             new_over_bare: ratio(Path::New, Path::Bare),
             replay_over_read: ratio(Path::Replay, Path::Read),
             new_over_function: ratio(Path::New, Path::Function),
+            new_sync_over_bare: ratio(Path::NewSync, Path::Bare),
         });
     }
     report.load_after = load_average();
@@ -610,9 +629,15 @@ async fn measure<K: BenchEngine>(
             Ok(counted) => report.round_trips = counted,
             Err(e) => report.round_trip_error = Some(e.message),
         }
-    } else if !K::NETWORK {
-        report.round_trip_method =
-            "not counted: SQLite runs in process (no network round trips)".into();
+    } else if !K::NETWORK && opts.round_trips {
+        report.round_trip_method = format!(
+            "SQLite runs in process: trips to tokio's blocking pool (idem_core::blocking::trips), \
+             over {RT_OPS} sequential operations per path on a pool of one connection"
+        );
+        match count_trips::<K>(&ctx, url, ns, &paths, opts).await {
+            Ok(counted) => report.round_trips = counted,
+            Err(e) => report.round_trip_error = Some(e.message),
+        }
     }
     print(&report);
     Ok(report)
@@ -687,6 +712,48 @@ async fn count_round_trips<K: BenchEngine>(
     Ok(out)
 }
 
+/// The blocking engines' round trips: closures handed to tokio's blocking pool per
+/// operation, sequential, on a pool of one connection (nothing else runs meanwhile).
+async fn count_trips<K: BenchEngine>(
+    ctx: &Arc<Ctx<K>>,
+    url: &str,
+    ns: &str,
+    paths: &[Path],
+    opts: &Options,
+) -> Result<Vec<RoundTrips>, Fail> {
+    let backend = K::attach(url, ns, 1, opts.pool).await?;
+    let mut counted = Ctx::<K>::new(
+        backend.clone(),
+        format!("{}t", ctx.run),
+        ctx.accounts,
+        opts.fast_path,
+    )?;
+    counted.replay_keys = ctx.replay_keys.clone();
+    let counted = Arc::new(counted);
+    let mut out = Vec::new();
+    for &path in paths.iter().filter(|p| **p != Path::Storm) {
+        for _ in 0..3 {
+            op::<K>(&counted, path, 1)
+                .await
+                .map_err(|e| Fail::new(1, format!("({}) counting trips: {e}", path.letter())))?;
+        }
+        let before = idem::core::blocking::trips();
+        for _ in 0..RT_OPS {
+            op::<K>(&counted, path, 1)
+                .await
+                .map_err(|e| Fail::new(1, format!("({}) counting trips: {e}", path.letter())))?;
+        }
+        let trips = idem::core::blocking::trips() - before;
+        out.push(RoundTrips {
+            path,
+            per_op: trips as f64 / f64::from(RT_OPS),
+        });
+    }
+    drop(counted);
+    K::release(backend).await;
+    Ok(out)
+}
+
 fn fmt_ratio(r: Option<f64>) -> String {
     r.map_or_else(|| "–".into(), |v| format!("{v:.2}"))
 }
@@ -744,6 +811,12 @@ fn print(report: &Report) {
                 fmt_ratio(r.replay_over_read),
                 fmt_ratio(r.new_over_function)
             );
+            if r.new_sync_over_bare.is_some() {
+                println!(
+                    "        (h)/(a) new, synchronous effect ÷ bare {}",
+                    fmt_ratio(r.new_sync_over_bare)
+                );
+            }
         }
     }
     if !report.round_trip_method.is_empty() {
