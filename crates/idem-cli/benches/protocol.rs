@@ -3,6 +3,8 @@
 //! feature is on): compare the paths' times within one run. `new_request` runs the
 //! fast path's read and the claim together (`Backend::lookup_or_claim`: one pooled
 //! connection on PostgreSQL); `new_request_no_fast_path` is the same without the read.
+//! On SQLite, `sqlite_sync/new_request` is the same debit as synchronous code through
+//! `ExecuteBlocking::execute_blocking` (the whole call in one trip to the blocking pool).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -71,12 +73,51 @@ fn paths<K: Bank>(c: &mut Criterion, url: &str) {
     let _ = rt.block_on(bank.close());
 }
 
+/// A new request on SQLite whose effect is synchronous code, in one trip.
+fn sqlite_sync(c: &mut Criterion, url: &str) {
+    use idem::sqlite::ExecuteBlocking;
+    use idem_conformance::sqlite::{SqliteBank, move_balance};
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => panic!("tokio: {e}"),
+    };
+    let bank = rt.block_on(async {
+        let bank = SqliteBank::connect(url, Some(&namespace("criterion-sync"))).await?;
+        bank.setup().await?;
+        bank.set_balance(1, i64::MAX / 2).await?;
+        Ok::<_, idem::DbError>(bank)
+    });
+    let bank = match bank {
+        Ok(bank) => bank,
+        Err(e) => panic!("cannot prepare sqlite: {e}"),
+    };
+    let idem = Idem::new(bank.backend().clone());
+    let scope = match (Principal::new("bench"), Operation::new("debit", 1)) {
+        (Ok(p), Ok(o)) => Scope::new(p, o),
+        _ => panic!("scope"),
+    };
+    let request = Request::new(json!({ "amount": 1 }));
+    let next = AtomicU64::new(0);
+    let mut group = c.benchmark_group("sqlite_sync");
+    group.bench_function("new_request", |b| {
+        b.to_async(&rt).iter(|| async {
+            let key = Key::new(format!("s-{}", next.fetch_add(1, Ordering::Relaxed)))
+                .unwrap_or_else(|e| panic!("{e}"));
+            let out = idem
+                .execute_blocking(&scope, &key, &request, |c| move_balance(c, 1, 1, true))
+                .await;
+            assert!(matches!(out, Ok(idem::Outcome::Executed(_))));
+        });
+    });
+    group.finish();
+    let _ = rt.block_on(bank.close());
+}
+
 fn benches(c: &mut Criterion) {
     let dir = std::env::temp_dir().join("idem-bench");
-    paths::<idem_conformance::sqlite::SqliteBank>(
-        c,
-        &format!("sqlite://{}/bench.db", dir.display()),
-    );
+    let sqlite = format!("sqlite://{}/bench.db", dir.display());
+    paths::<idem_conformance::sqlite::SqliteBank>(c, &sqlite);
+    sqlite_sync(c, &sqlite);
     if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
         paths::<idem_conformance::postgres::PgBank>(c, &url);
     }

@@ -7,6 +7,17 @@
 //! placeholder (response `NULL`) exists only inside its transaction; it is completed
 //! with the response just before `COMMIT`.
 //!
+//! On a single node (not Citus, not CockroachDB or YugabyteDB) that completion and the
+//! `COMMIT` travel as **one** simple-query message, one round trip: the completing
+//! `UPDATE`, a check that fails (before the `COMMIT` runs) unless the row is now
+//! complete, `COMMIT`, and an empty `BEGIN` that the `ROLLBACK` sqlx queues for the
+//! transaction it still counts ends together with the ping that returns the connection.
+//! A simple query cannot bind values, so the key, scope and response go in as literals
+//! of hex digits only (`convert_from(decode('6b6579', 'hex'), 'UTF8')`): nothing a
+//! client sends can end a literal or change the statement. A lost reply to that message
+//! leaves the outcome unknown exactly as a lost reply to a lone `COMMIT` does (the
+//! network-fault suite checks both).
+//!
 //! Under REPEATABLE READ or SERIALIZABLE the waiting loser gets SQLSTATE 40001 instead;
 //! idem retries the whole transaction with the same key (40001 and 40P01, bounded,
 //! jittered). CockroachDB and YugabyteDB speak this protocol and are serializable by

@@ -43,7 +43,11 @@
 //!   run's lease. Phases get a [`SqliteTx`] like effects do.
 //! - rusqlite is blocking: every call runs on tokio's blocking pool
 //!   ([`tokio::task::spawn_blocking`]), never on the async worker threads. Effects get
-//!   a [`SqliteTx`] and run their SQL with [`SqliteTx::run`].
+//!   a [`SqliteTx`] and run their SQL with [`SqliteTx::run`]. A new request through
+//!   `execute` takes three trips there (the claim — the fast path's read, `BEGIN
+//!   IMMEDIATE` and the claim's read together —, the effect, the completion); an effect
+//!   that is plain synchronous code can use [`ExecuteBlocking::execute_blocking`]
+//!   instead: the same protocol, the whole call in one trip.
 //! - Files use WAL, so replays (plain reads) never wait for the writer. `sqlite::memory:`
 //!   databases have one connection, so concurrent calls queue for it.
 //!

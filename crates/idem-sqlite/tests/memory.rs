@@ -316,3 +316,24 @@ async fn only_the_same_identity_is_in_flight() {
     assert_eq!(other, Outcome::Executed(3));
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// `execute_blocking` on a current-thread runtime (the default of `#[tokio::test]`):
+/// the call runs on a blocking thread while the runtime's only thread waits for it.
+#[tokio::test]
+async fn execute_blocking_runs_on_a_current_thread_runtime() {
+    use idem_sqlite::ExecuteBlocking;
+    let (_backend, idem) = memory().await;
+    for expected in [Outcome::Executed(2), Outcome::Replayed(2)] {
+        let out = tokio::time::timeout(
+            HANG_GUARD,
+            idem.execute_blocking(&scope(), &Key::new("sync").unwrap(), &request(), |c| {
+                c.execute("INSERT INTO t VALUES (2)", [])?;
+                c.query_row("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))
+            }),
+        )
+        .await
+        .expect("no hang")
+        .unwrap();
+        assert_eq!(out, expected);
+    }
+}
