@@ -518,7 +518,7 @@ mod mysql {
             gate: bool,
             hook: Option<Hook>,
         ) -> BoxFuture<'_, Result<Value, DbError>> {
-            Box::pin(session_apply(tx.transaction(), key, amount, gate, hook))
+            Box::pin(session_apply(tx.conn(), key, amount, gate, hook))
         }
 
         async fn apply_alone(

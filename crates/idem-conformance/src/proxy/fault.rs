@@ -215,10 +215,21 @@ impl Faults {
         self.slots.iter().filter(|s| s.remaining > 0).count()
     }
 
-    /// Connection `conn` sends `statement`: every armed fault moves along its trigger;
-    /// the first one that completes it (and is not skipping) hits.
+    /// Connection `conn` sends `statement`: every armed fault moves along its trigger,
+    /// through each of the statements the message runs ([`Statement::parts`], in order:
+    /// a multi-statement text query can both start a transaction and claim, or complete
+    /// and `COMMIT`); the first one that completes it (and is not skipping) hits the
+    /// message.
     pub fn decide(&mut self, conn: u64, statement: &Statement) -> Option<(FaultId, Action)> {
         let mut hit = None;
+        for part in statement.parts() {
+            self.advance(conn, part, &mut hit);
+        }
+        hit
+    }
+
+    /// Moves every armed fault along its trigger for one statement.
+    fn advance(&mut self, conn: u64, statement: &Statement, hit: &mut Option<(FaultId, Action)>) {
         for slot in self.slots.iter_mut().filter(|s| s.remaining > 0) {
             let at = slot.progress.entry(conn).or_insert(0);
             let steps = &slot.fault.trigger.steps;
@@ -235,13 +246,12 @@ impl Faults {
                 if hit.is_none() {
                     slot.remaining -= 1;
                     slot.hits += 1;
-                    hit = Some((slot.id, slot.fault.action));
+                    *hit = Some((slot.id, slot.fault.action));
                 }
             } else if statement.is_transaction_boundary() {
                 *at = 0;
             }
         }
-        hit
     }
 
     /// Forgets a closed connection's progress.
@@ -303,6 +313,40 @@ mod tests {
         );
         assert_eq!(f.decide(1, &st("COMMIT", "")), None);
         assert_eq!(f.armed(), 0);
+    }
+
+    #[test]
+    fn merged_mariadb_messages_are_followed_statement_by_statement() {
+        // "k-1" as idem sends it in a text query: a hex literal.
+        let claim = Statement::mysql_text(
+            "START TRANSACTION; SET STATEMENT innodb_lock_wait_timeout = 3 FOR INSERT INTO \
+             idem_request_result (principal, request_key) VALUES (_binary X'70', _binary X'6B2D31')",
+        );
+        let complete = Statement::mysql_text(
+            "BEGIN NOT ATOMIC IF @@in_transaction = 0 THEN SIGNAL SQLSTATE '45000' SET \
+             MESSAGE_TEXT = 'idem: lost; really'; END IF; UPDATE idem_request_result SET \
+             response = _utf8mb4 X'7B7D' WHERE request_key = _binary X'6B2D31'; IF ROW_COUNT() \
+             <> 1 THEN SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'x'; END IF; COMMIT; END",
+        );
+        let kinds: Vec<&str> = complete.parts().map(Statement::kind).collect();
+        assert_eq!(kinds, ["IF", "END", "UPDATE", "IF", "END", "COMMIT", "END"]);
+        let mut f = Faults::default();
+        let insert = f.arm(Fault::lose_reply(Trigger::on(
+            Marker::kind("INSERT").with("idem_request_result").with("k-1"),
+        )));
+        let commit = f.arm(Fault::lose_reply(Trigger::commit_after(
+            Marker::kind("UPDATE").with("idem_request_result").with("k-1"),
+        )));
+        // Another key's messages hit nothing.
+        let other = Statement::mysql_text(claim.text().replace("6B2D31", "6B2D32"));
+        assert_eq!(f.decide(1, &other), None);
+        assert_eq!(f.decide(1, &claim), Some((insert, Action::LoseReply)));
+        // The completion's UPDATE and COMMIT travel together: the message is hit.
+        assert_eq!(f.decide(1, &complete), Some((commit, Action::LoseReply)));
+        assert_eq!((f.hits(insert), f.hits(commit)), (1, 1));
+        // A single statement is its own only part.
+        let one = st("COMMIT", "");
+        assert_eq!(one.parts().count(), 1);
     }
 
     #[test]

@@ -39,6 +39,15 @@ pub struct Statement {
     next_word: String,
     text: String,
     params: Vec<u8>,
+    /// The bytes of the text's hex literals (`X'…'`, with or without an introducer):
+    /// values a MySQL text query carries in its text.
+    literals: Vec<Vec<u8>>,
+    /// The statements of a MySQL text query that holds several (`…; …`) or a compound
+    /// statement (`BEGIN NOT ATOMIC … END`), in order; empty for one plain statement.
+    parts: Vec<Statement>,
+    /// A statement inside a compound statement: its `END` closes a block, never a
+    /// transaction.
+    in_compound: bool,
 }
 
 impl fmt::Debug for Statement {
@@ -65,6 +74,12 @@ impl Statement {
                 let mut words = words.skip_while(|w| w != "FOR").skip(1);
                 let kind = words.next().unwrap_or_default();
                 (kind, words.next().unwrap_or_default())
+            } else if kind == "BEGIN" && next == "NOT" {
+                // MariaDB's compound statement `BEGIN NOT ATOMIC <statement>; … END`: its
+                // first statement is what runs first.
+                let mut words = words.skip_while(|w| w != "ATOMIC").skip(1);
+                let kind = words.next().unwrap_or_default();
+                (kind, words.next().unwrap_or_default())
             } else {
                 (kind, next)
             }
@@ -74,7 +89,47 @@ impl Statement {
             next_word,
             text,
             params,
+            literals: Vec::new(),
+            parts: Vec::new(),
+            in_compound: false,
         }
+    }
+
+    /// A MySQL text query (`COM_QUERY`). It may hold several statements separated by
+    /// `;` (mysql_async sets `CLIENT_MULTI_STATEMENTS`) or be a compound statement
+    /// (MariaDB's `BEGIN NOT ATOMIC … END`): each is then one of its [`Statement::parts`].
+    /// Its values may travel in its text as hex literals (`_utf8mb4 X'6B2D31'`), whose
+    /// bytes [`Statement::contains`] searches too.
+    pub fn mysql_text(text: impl Into<String>) -> Self {
+        let text = text.into();
+        let mut statement = Self::new(text.clone(), Vec::new());
+        statement.literals = hex_literals(&text);
+        let compound = {
+            let mut words = keywords(&text);
+            words.next().as_deref() == Some("BEGIN")
+                && words.next().as_deref() == Some("NOT")
+                && words.next().as_deref() == Some("ATOMIC")
+        };
+        let pieces = split_statements(&text);
+        if pieces.len() > 1 || compound {
+            statement.parts = pieces
+                .into_iter()
+                .map(|piece| {
+                    let mut part = Self::new(piece, Vec::new());
+                    part.literals = hex_literals(piece);
+                    part.in_compound = compound;
+                    part
+                })
+                .collect();
+        }
+        statement
+    }
+
+    /// The statements this message runs, in order: itself, or each statement of a
+    /// multi-statement or compound text query ([`Statement::mysql_text`]).
+    pub fn parts(&self) -> impl Iterator<Item = &Statement> {
+        let own = self.parts.is_empty().then_some(self);
+        own.into_iter().chain(self.parts.iter())
     }
 
     /// The statement's first keyword, upper case (`COMMIT`, `INSERT`, `SET`); comments
@@ -100,13 +155,17 @@ impl Statement {
 
     /// Whether `needle` occurs in the text or in the parameter bytes.
     pub fn contains(&self, needle: &[u8]) -> bool {
-        find(self.text.as_bytes(), needle) || find(&self.params, needle)
+        find(self.text.as_bytes(), needle)
+            || find(&self.params, needle)
+            || self.literals.iter().any(|l| find(l, needle))
     }
 
     /// Whether this statement starts or ends a transaction (`BEGIN`, `START
-    /// TRANSACTION`, `COMMIT`, `END`, `ROLLBACK` but not `ROLLBACK TO SAVEPOINT`).
+    /// TRANSACTION`, `COMMIT`, `END`, `ROLLBACK` but not `ROLLBACK TO SAVEPOINT`; inside
+    /// a compound statement `BEGIN` and `END` delimit blocks, not transactions).
     pub fn is_transaction_boundary(&self) -> bool {
         match self.kind.as_str() {
+            "BEGIN" | "END" if self.in_compound => false,
             "BEGIN" | "START" | "COMMIT" | "END" | "ABORT" => true,
             "ROLLBACK" => self.next_word != "TO",
             _ => false,
@@ -121,6 +180,82 @@ impl Statement {
             None => flat,
         }
     }
+}
+
+/// The statements of a MySQL text query: split at each `;` outside quotes (`'…'`,
+/// `"…"`, `` `…` ``, with backslash escapes) and comments, trimmed, empty ones left out.
+fn split_statements(text: &str) -> Vec<&str> {
+    let b = text.as_bytes();
+    let mut pieces = Vec::new();
+    let (mut i, mut start) = (0, 0);
+    while i < b.len() {
+        match b[i] {
+            q @ (b'\'' | b'"' | b'`') => {
+                i += 1;
+                while i < b.len() && b[i] != q {
+                    i += if b[i] == b'\\' && q != b'`' { 2 } else { 1 };
+                }
+                i += 1;
+            }
+            b'/' if b[i..].starts_with(b"/*") => {
+                i = b[i + 2..]
+                    .windows(2)
+                    .position(|w| w == b"*/")
+                    .map_or(b.len(), |p| i + 2 + p + 2);
+            }
+            b'#' => {
+                i = b[i..].iter().position(|&c| c == b'\n').map_or(b.len(), |p| i + p + 1);
+            }
+            b'-' if b[i..].starts_with(b"-- ") => {
+                i = b[i..].iter().position(|&c| c == b'\n').map_or(b.len(), |p| i + p + 1);
+            }
+            b';' => {
+                pieces.push(&text[start..i]);
+                i += 1;
+                start = i;
+            }
+            _ => i += 1,
+        }
+    }
+    pieces.push(&text[start.min(text.len())..]);
+    pieces
+        .into_iter()
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect()
+}
+
+/// The bytes of every hex literal (`X'…'`, `x'…'`) in a text; a literal with an odd
+/// number of digits or another character is left out.
+fn hex_literals(text: &str) -> Vec<Vec<u8>> {
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i + 1 < b.len() {
+        let starts = (b[i] == b'X' || b[i] == b'x')
+            && b[i + 1] == b'\''
+            && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'));
+        if !starts {
+            i += 1;
+            continue;
+        }
+        let digits = &b[i + 2..];
+        let end = digits.iter().position(|&c| c == b'\'').unwrap_or(digits.len());
+        let hex = &digits[..end];
+        if hex.len() % 2 == 0 && hex.iter().all(u8::is_ascii_hexdigit) {
+            out.push(
+                hex.chunks(2)
+                    .filter_map(|pair| {
+                        std::str::from_utf8(pair)
+                            .ok()
+                            .and_then(|p| u8::from_str_radix(p, 16).ok())
+                    })
+                    .collect(),
+            );
+        }
+        i += 2 + end + 1;
+    }
+    out
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> bool {
@@ -509,9 +644,8 @@ impl Session {
         match command.first() {
             // COM_QUERY
             Some(0x03) => {
-                statement = Some(Statement::new(
+                statement = Some(Statement::mysql_text(
                     String::from_utf8_lossy(&command[1..]).into_owned(),
-                    Vec::new(),
                 ));
             }
             // COM_STMT_PREPARE
