@@ -37,6 +37,33 @@
 //! (idem's `Error::InProgress`, not retried). A 1205 inside the effect is still a
 //! retried lock timeout.
 //!
+//! # Merged messages on MariaDB
+//!
+//! On MariaDB (MySQL 8 and TiDB keep separate statements) a new request costs two round
+//! trips more than its bare effect, one without the replay read:
+//!
+//! - **`START TRANSACTION` and the claim travel in one text message**,
+//!   `START TRANSACTION; SET STATEMENT innodb_lock_wait_timeout = N FOR INSERT …`
+//!   (mysql_async sets `CLIENT_MULTI_STATEMENTS`; the server runs them in order and
+//!   stops at the first error). A 1062 or 1205 fails only the `INSERT`: the transaction
+//!   stays open for the claim's re-read, or is rolled back. A message claim's savepoint
+//!   travels in the same message.
+//! - **The completion, its checks and `COMMIT` travel as one compound statement**,
+//!   `BEGIN NOT ATOMIC … COMMIT; END`: it signals (SQLSTATE 45000) instead of committing
+//!   when the server is no longer inside idem's transaction, when the completion found
+//!   no unfinished, unexpired record, or when a message's savepoint is gone; a signal
+//!   leaves the transaction open, idem rolls it back and returns the same errors as the
+//!   separate checks. A lost reply of this message is an unknown outcome, like a lost
+//!   `COMMIT` reply.
+//!
+//! A text message cannot bind values, so every user value in these messages is a hex
+//! literal with a charset introducer (`_utf8mb4 X'…'` for the `utf8mb4_bin` text
+//! columns, `_binary X'…'` for the `VARBINARY` keys, whose primary-key index is still
+//! used): only `[0-9A-F]` of user data ever reaches the SQL text, nothing is quoted or
+//! escaped, and integers are formatted by idem. The hex form is twice the payload's size:
+//! a request or response whose hex does not fit `max_allowed_packet` is refused before
+//! any SQL.
+//!
 //! # Retention in the row
 //!
 //! Each record's `expires_at` is set at the claim (`UTC_TIMESTAMP(6)` + the operation's
@@ -119,9 +146,14 @@
 //!
 //! # Effects
 //!
-//! Effects receive a [`MysqlTx`], which dereferences to the open
-//! [`mysql_async::Transaction`]; run SQL on it with
+//! Effects receive a [`MysqlTx`]: a pooled [`mysql_async::Conn`] on which idem opened
+//! the transaction itself (not a `mysql_async::Transaction`, which always sends its own
+//! `START TRANSACTION` and `COMMIT`). It dereferences to the connection ([`MysqlTx::conn`]
+//! names it); run SQL on it with
 //! [`mysql_async::prelude::Queryable`]: `tx.exec_drop("UPDATE …", (amount, id)).await`.
+//! A `MysqlTx` dropped with its transaction open (a cancelled call) never goes back to
+//! the pool inside it: the pool resets the session (`COM_RESET_CONNECTION`, which rolls
+//! back) before reusing the connection, or discards it.
 //! Return driver errors (or errors whose `source()` chain holds them) instead of
 //! swallowing them: after a 1213 the server has already rolled the whole transaction
 //! back, record included, and what the effect runs afterwards is no longer in it

@@ -3,7 +3,10 @@
 //! Portable between MySQL 8.4 and MariaDB 10.11: no `RETURNING`, no `FOR SHARE`
 //! (MariaDB spells it `LOCK IN SHARE MODE`, which MySQL 8.4 still accepts), no
 //! MySQL-only collations. Parameters are `?`, in the order the comment of each
-//! statement lists.
+//! statement lists. The exceptions are MariaDB's merged messages (the claim after
+//! [`START_TRANSACTION_THEN`], [`complete_and_commit_request`],
+//! [`complete_and_commit_message`]): text queries, sent only to MariaDB, whose values
+//! [`inline`] writes into the text as hex literals.
 
 /// The cutoff of a retention window: the database's UTC clock minus `?` microseconds.
 macro_rules! cutoff {
