@@ -212,9 +212,7 @@ use idem_core::{
 pub use mysql_async;
 use mysql_async::consts::StatusFlags;
 use mysql_async::prelude::{FromValue, Queryable};
-use mysql_async::{
-    DEFAULT_POOL_CONSTRAINTS, Opts, OptsBuilder, Pool, PoolConstraints, Row, Value,
-};
+use mysql_async::{DEFAULT_POOL_CONSTRAINTS, Opts, OptsBuilder, Pool, PoolConstraints, Row, Value};
 
 pub use error_codes::db_error;
 pub use leader::{MysqlHeld, MysqlLeaderLock};
@@ -583,7 +581,10 @@ impl<'a> Target<'a> {
                     subscriber.as_str().as_bytes().into(),
                     message_id.as_str().as_bytes().into(),
                 ],
-                key_bytes: vec![subscriber.as_str().as_bytes(), message_id.as_str().as_bytes()],
+                key_bytes: vec![
+                    subscriber.as_str().as_bytes(),
+                    message_id.as_str().as_bytes(),
+                ],
                 request: claim.request,
                 is_request: false,
             },
@@ -686,7 +687,9 @@ fn unbuildable(what: &str) -> DbError {
     DbError::new(
         ENGINE,
         ErrorKind::Other,
-        format!("idem could not build the {what} statement (a bug in idem-mysql; nothing was sent)"),
+        format!(
+            "idem could not build the {what} statement (a bug in idem-mysql; nothing was sent)"
+        ),
     )
 }
 
@@ -785,8 +788,7 @@ impl ClaimSteps for MysqlBackend {
             let mut values = target.key_literals();
             values.push(target.request.map_or(sql::Lit::Null, sql::Lit::Text));
             values.push(sql::Lit::Int(micros));
-            let insert =
-                sql::inline(target.insert, &values).ok_or_else(|| unbuildable("claim"))?;
+            let insert = sql::inline(target.insert, &values).ok_or_else(|| unbuildable("claim"))?;
             let mut message = open.bounded(&insert);
             if !target.is_request {
                 message = format!("{message}; {}", sql::SAVEPOINT_CLAIMED);
@@ -998,7 +1000,11 @@ impl MysqlBackend {
         };
         let len = u64::try_from(payload.len()).unwrap_or(u64::MAX);
         let (size, overhead, form) = if hex {
-            (len.saturating_mul(2), HEX_PACKET_OVERHEAD, " (sent as hex: twice that)")
+            (
+                len.saturating_mul(2),
+                HEX_PACKET_OVERHEAD,
+                " (sent as hex: twice that)",
+            )
         } else {
             (len, PACKET_OVERHEAD, "")
         };

@@ -199,8 +199,7 @@ impl RunStore for MysqlBackend {
         write: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
         self.check_packet("state", write.state, false).await?;
-        self.check_packet("response", write.response, false)
-            .await?;
+        self.check_packet("response", write.response, false).await?;
         still_open(&mut tx.conn).await?;
         let mut params: Vec<Value> = vec![
             write.owner.into(),

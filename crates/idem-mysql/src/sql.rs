@@ -704,16 +704,29 @@ mod tests {
         assert_eq!(hex_literal("_utf8mb4", "'".as_bytes()), "_utf8mb4 X'27'");
         assert_eq!(hex_literal("_utf8mb4", b"\\"), "_utf8mb4 X'5C'");
         assert_eq!(hex_literal("_utf8mb4", b"*/"), "_utf8mb4 X'2A2F'");
-        assert_eq!(hex_literal("_utf8mb4", "é🦀".as_bytes()), "_utf8mb4 X'C3A9F09FA680'");
+        assert_eq!(
+            hex_literal("_utf8mb4", "é🦀".as_bytes()),
+            "_utf8mb4 X'C3A9F09FA680'"
+        );
         assert_eq!(hex_literal("_binary", &[0, 0xFF]), "_binary X'00FF'");
-        for hostile in ["it's", "a\\'; DROP TABLE t; -- ", "*/ /*", "\"\"``", "漢字\u{0}"] {
+        for hostile in [
+            "it's",
+            "a\\'; DROP TABLE t; -- ",
+            "*/ /*",
+            "\"\"``",
+            "漢字\u{0}",
+        ] {
             let lit = hex_literal("_utf8mb4", hostile.as_bytes());
             let digits = lit
                 .strip_prefix("_utf8mb4 X'")
                 .and_then(|l| l.strip_suffix('\''))
                 .expect("the literal's frame");
             assert_eq!(digits.len(), 2 * hostile.len());
-            assert!(digits.bytes().all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(&b)));
+            assert!(
+                digits
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(&b))
+            );
         }
         // Placeholders are replaced in order; a count that does not match is refused.
         assert_eq!(

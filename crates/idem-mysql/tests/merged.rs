@@ -61,7 +61,10 @@ async fn hostile_values_round_trip_byte_for_byte_and_compare_equal() {
                 Box::pin(async move { Ok::<_, mysql_async::Error>(answer) })
             })
             .await;
-        assert!(matches!(first, Ok(Outcome::Executed(_))), "{text:?}: {first:?}");
+        assert!(
+            matches!(first, Ok(Outcome::Executed(_))),
+            "{text:?}: {first:?}"
+        );
         // The replay's lookup binds the key as parameters: it finds the row the claim
         // inserted with hex literals, and returns the response byte for byte.
         let again = idem
@@ -111,7 +114,10 @@ async fn hostile_values_round_trip_byte_for_byte_and_compare_equal() {
             Box::pin(async { Ok::<_, mysql_async::Error>(()) })
         })
         .await;
-    assert!(matches!(consumed, Ok(Consumed::Applied(()))), "{consumed:?}");
+    assert!(
+        matches!(consumed, Ok(Consumed::Applied(()))),
+        "{consumed:?}"
+    );
     let again = idem
         .consume(&sub, &id, None, |_tx| {
             Box::pin(async { Ok::<_, mysql_async::Error>(()) })
@@ -178,7 +184,10 @@ async fn a_payload_whose_hex_form_exceeds_max_allowed_packet_is_refused_before_a
             assert_eq!(e.kind(), ErrorKind::Other, "{e}");
             assert_eq!(e.code(), Some("1153"), "{e}");
             let text = e.to_string();
-            assert!(text.contains("max_allowed_packet") && text.contains("hex"), "{e}");
+            assert!(
+                text.contains("max_allowed_packet") && text.contains("hex"),
+                "{e}"
+            );
         }
         other => panic!("expected a non-retried backend error, got {other:?}"),
     }
@@ -226,7 +235,11 @@ async fn a_dropped_open_transaction_is_rolled_back_before_the_connection_is_reus
     // A run transaction (the public way to hold a MysqlTx), written to, then dropped.
     let mut tx = backend.begin_runs(None).await.unwrap();
     tx.query_drop("INSERT INTO t VALUES (1)").await.unwrap();
-    let open: Option<i64> = tx.conn().query_first("SELECT @@in_transaction").await.unwrap();
+    let open: Option<i64> = tx
+        .conn()
+        .query_first("SELECT @@in_transaction")
+        .await
+        .unwrap();
     assert_eq!(open, Some(1), "the write is inside idem's transaction");
     drop(tx);
     let (after, in_tx, rows) = state(&backend).await;
@@ -257,7 +270,10 @@ async fn a_dropped_open_transaction_is_rolled_back_before_the_connection_is_reus
         ),
     )
     .await;
-    assert!(cancelled.is_err(), "the effect was cancelled: {cancelled:?}");
+    assert!(
+        cancelled.is_err(),
+        "the effect was cancelled: {cancelled:?}"
+    );
     let (after, in_tx, rows) = state(&backend).await;
     assert_eq!(after, before, "the same connection, reused");
     assert_eq!(in_tx, 0, "handed out outside any transaction");

@@ -332,10 +332,14 @@ mod tests {
         assert_eq!(kinds, ["IF", "END", "UPDATE", "IF", "END", "COMMIT", "END"]);
         let mut f = Faults::default();
         let insert = f.arm(Fault::lose_reply(Trigger::on(
-            Marker::kind("INSERT").with("idem_request_result").with("k-1"),
+            Marker::kind("INSERT")
+                .with("idem_request_result")
+                .with("k-1"),
         )));
         let commit = f.arm(Fault::lose_reply(Trigger::commit_after(
-            Marker::kind("UPDATE").with("idem_request_result").with("k-1"),
+            Marker::kind("UPDATE")
+                .with("idem_request_result")
+                .with("k-1"),
         )));
         // Another key's messages hit nothing.
         let other = Statement::mysql_text(claim.text().replace("6B2D31", "6B2D32"));

@@ -204,10 +204,16 @@ fn split_statements(text: &str) -> Vec<&str> {
                     .map_or(b.len(), |p| i + 2 + p + 2);
             }
             b'#' => {
-                i = b[i..].iter().position(|&c| c == b'\n').map_or(b.len(), |p| i + p + 1);
+                i = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |p| i + p + 1);
             }
             b'-' if b[i..].starts_with(b"-- ") => {
-                i = b[i..].iter().position(|&c| c == b'\n').map_or(b.len(), |p| i + p + 1);
+                i = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |p| i + p + 1);
             }
             b';' => {
                 pieces.push(&text[start..i]);
@@ -240,9 +246,12 @@ fn hex_literals(text: &str) -> Vec<Vec<u8>> {
             continue;
         }
         let digits = &b[i + 2..];
-        let end = digits.iter().position(|&c| c == b'\'').unwrap_or(digits.len());
+        let end = digits
+            .iter()
+            .position(|&c| c == b'\'')
+            .unwrap_or(digits.len());
         let hex = &digits[..end];
-        if hex.len() % 2 == 0 && hex.iter().all(u8::is_ascii_hexdigit) {
+        if hex.len().is_multiple_of(2) && hex.iter().all(u8::is_ascii_hexdigit) {
             out.push(
                 hex.chunks(2)
                     .filter_map(|pair| {
