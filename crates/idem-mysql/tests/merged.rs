@@ -304,3 +304,104 @@ async fn a_dropped_open_transaction_is_rolled_back_before_the_connection_is_reus
     backend.disconnect().await.unwrap();
     db.drop_database().await;
 }
+
+/// The backend error of `out`, or a panic naming what came instead.
+fn backend_error<T: std::fmt::Debug>(out: Result<T, Error<mysql_async::Error>>) -> String {
+    match out {
+        Err(Error::Backend(e)) => {
+            assert_eq!(e.kind(), ErrorKind::Other, "{e}");
+            assert!(!e.kind().is_retryable(), "{e}");
+            e.to_string()
+        }
+        other => panic!("expected a non-retried backend error, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_merged_completion_refuses_with_the_same_errors_as_the_separate_checks() {
+    let db = PrivateDb::create("signals").await;
+    db.exec("CREATE TABLE t (id INT PRIMARY KEY) ENGINE = InnoDB")
+        .await;
+    let window = Duration::from_millis(1200);
+    let idem = Idem::new(db.backend.clone()).with_message_retention(window);
+    let scope = Scope::new(
+        Principal::new("p").unwrap(),
+        Operation::new("op", 1).unwrap().with_retention(window),
+    );
+    let request = Request::new(serde_json::json!({}));
+
+    // The effect ends idem's transaction: nothing is completed, even in autocommit.
+    let lost = idem
+        .execute(&scope, &Key::new("lost").unwrap(), &request, |tx| {
+            Box::pin(async move {
+                tx.query_drop("ROLLBACK").await?;
+                Ok::<_, mysql_async::Error>(1)
+            })
+        })
+        .await;
+    let text = backend_error(lost);
+    assert!(
+        text.contains("transaction ended inside the effect"),
+        "{text}"
+    );
+
+    // The record expires while the effect runs.
+    let expired = idem
+        .execute(&scope, &Key::new("slow").unwrap(), &request, move |tx| {
+            Box::pin(async move {
+                tx.query_drop("INSERT INTO t VALUES (1)").await?;
+                tokio::time::sleep(window + Duration::from_millis(600)).await;
+                Ok::<_, mysql_async::Error>(1)
+            })
+        })
+        .await;
+    let text = backend_error(expired);
+    assert!(
+        text.contains("retention is shorter than the effect"),
+        "{text}"
+    );
+
+    // The same for a consumer's message record.
+    let sub = Subscriber::new("sub").unwrap();
+    let lost = idem
+        .consume(&sub, &MessageId::new("m-lost").unwrap(), None, |tx| {
+            Box::pin(async move {
+                tx.query_drop("ROLLBACK").await?;
+                Ok::<_, mysql_async::Error>(())
+            })
+        })
+        .await;
+    let text = backend_error(lost);
+    assert!(
+        text.contains("transaction ended inside the effect"),
+        "{text}"
+    );
+    let expired = idem
+        .consume(&sub, &MessageId::new("m-slow").unwrap(), None, move |tx| {
+            Box::pin(async move {
+                tx.query_drop("INSERT INTO t VALUES (2)").await?;
+                tokio::time::sleep(window + Duration::from_millis(600)).await;
+                Ok::<_, mysql_async::Error>(())
+            })
+        })
+        .await;
+    let text = backend_error(expired);
+    assert!(
+        text.contains("retention is shorter than the effect"),
+        "{text}"
+    );
+
+    // Nothing of any of them committed.
+    assert_eq!(db.scalar("SELECT COUNT(*) FROM t").await, 0);
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM idem_request_result").await,
+        0
+    );
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM idem_processed_message")
+            .await,
+        0
+    );
+    drop(idem);
+    db.drop_database().await;
+}
