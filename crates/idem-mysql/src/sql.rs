@@ -554,6 +554,10 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("restore_lock_wait", RESTORE_LOCK_WAIT),
     ("max_allowed_packet", MAX_ALLOWED_PACKET),
     ("set_statement_lock_wait", SET_STATEMENT_LOCK_WAIT),
+    ("start_transaction", START_TRANSACTION),
+    ("start_transaction_then", START_TRANSACTION_THEN),
+    ("commit", COMMIT),
+    ("rollback", ROLLBACK),
     ("savepoint_claimed", SAVEPOINT_CLAIMED),
     ("release_claimed", RELEASE_CLAIMED),
     ("purge_requests", PURGE_REQUESTS),
@@ -749,6 +753,68 @@ mod tests {
         ] {
             assert!(!statement.contains('\''), "{statement}");
         }
+    }
+
+    /// MariaDB's merged messages as the backend builds them, for one request and one
+    /// message (key `k`, principal `p`, operation `op`; subscriber `s`, message id `m`).
+    #[test]
+    fn merged_messages_snapshot() {
+        use super::{Lit, inline};
+        let request_key = [Lit::Bytes(b"p"), Lit::Bytes(b"op"), Lit::Bytes(b"k")];
+        let message_key = [Lit::Bytes(b"s"), Lit::Bytes(b"m")];
+        fn with<'a>(first: &[Lit<'a>], key: &[Lit<'a>], last: &[Lit<'a>]) -> Vec<Lit<'a>> {
+            first.iter().chain(key).chain(last).copied().collect()
+        }
+        let bound = format!("{}3 FOR ", super::SET_STATEMENT_LOCK_WAIT);
+        let claim_request = format!(
+            "{}{bound}{}",
+            super::START_TRANSACTION_THEN,
+            inline(
+                super::INSERT_REQUEST,
+                &with(
+                    &[],
+                    &request_key,
+                    &[Lit::Text("{}"), Lit::Int(86_400_000_000)]
+                )
+            )
+            .expect("claim")
+        );
+        let claim_message = format!(
+            "{}{bound}{}; {}",
+            super::START_TRANSACTION_THEN,
+            inline(
+                super::INSERT_MESSAGE,
+                &with(&[], &message_key, &[Lit::Null, Lit::Int(86_400_000_000)])
+            )
+            .expect("claim"),
+            super::SAVEPOINT_CLAIMED
+        );
+        let complete_request = super::complete_and_commit_request(
+            &inline(
+                super::COMPLETE_REQUEST,
+                &with(
+                    &[Lit::Text("{\"ok\":true}"), Lit::Int(0)],
+                    &request_key,
+                    &[],
+                ),
+            )
+            .expect("completion"),
+            &inline(super::EXPIRED_REQUEST, &request_key).expect("expired"),
+        );
+        let complete_message = super::complete_and_commit_message(
+            &inline(super::EXPIRED_MESSAGE, &message_key).expect("expired"),
+        );
+        let text = [
+            ("claim_request", claim_request),
+            ("claim_message", claim_message),
+            ("complete_and_commit_request", complete_request),
+            ("complete_and_commit_message", complete_message),
+        ]
+        .iter()
+        .map(|(name, sql)| format!("-- {name}\n{sql};\n"))
+        .collect::<Vec<_>>()
+        .join("\n");
+        insta::assert_snapshot!(text);
     }
 
     #[test]
