@@ -6,7 +6,9 @@
 //! `COM_STMT_PREPARE` once (the server answers with a statement id), then
 //! `COM_STMT_EXECUTE` by id. A [`Session`] remembers names and ids per connection, so
 //! every execution carries its SQL text, and keeps the bound parameters' bytes beside it
-//! (a key is usually a parameter, not part of the text).
+//! (a key is usually a parameter, not part of the text). A MySQL text query may carry
+//! several statements, or one compound statement, and its values as hex literals
+//! ([`Statement::mysql_text`]): faults follow its statements in order.
 //!
 //! Replies are counted per connection so that a fault can wait for "the reply to this
 //! request": PostgreSQL answers every `Sync` and every simple `Query` with one
