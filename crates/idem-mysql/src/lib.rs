@@ -1315,6 +1315,111 @@ mod tests {
         });
     }
 
+    /// MySQL 8's and TiDB's path (separate statements, bound values, the session's lock
+    /// wait saved and restored) on the new transaction type, run live on the MariaDB at
+    /// `IDEM_MYSQL_URL` (default the local server) with the backend told it is not
+    /// MariaDB: every statement of that path is valid there too.
+    #[tokio::test]
+    async fn the_separate_statements_path_runs_on_the_new_transaction_type() {
+        use idem_core::{
+            Consumed, Error, Idem, Key, MessageId, Operation, Outcome, Principal, Request, Scope,
+            Subscriber,
+        };
+        let url = std::env::var("IDEM_MYSQL_URL")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let base = parse_url(&url).expect("IDEM_MYSQL_URL");
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!("idem_separate_{}_{nanos}", std::process::id());
+        let admin = Pool::new(base.clone());
+        let mut conn = admin
+            .get_conn()
+            .await
+            .expect("the server at IDEM_MYSQL_URL");
+        conn.query_drop(format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create");
+        let opts = OptsBuilder::from_opts(base).db_name(Some(&name));
+        let backend = MysqlBackend::connect_with(opts).await.expect("connect");
+        let real = backend.server().await.expect("server");
+        // The same pool, with what the server said, but told it is not MariaDB.
+        let backend = MysqlBackend {
+            server: Arc::new(OnceCell::new_with(Some(Server {
+                mariadb: false,
+                ..real
+            }))),
+            ..backend
+        };
+        backend.migrate().await.expect("migrate");
+        let idem = Idem::new(backend.clone());
+        let scope = Scope::new(
+            Principal::new("p").expect("principal"),
+            Operation::new("op", 1).expect("operation"),
+        );
+        let request = Request::new(serde_json::json!({"it's": "a \\ test"}));
+        for (i, expected) in [(1, Outcome::Executed(1)), (2, Outcome::Replayed(1))] {
+            let out = idem
+                .execute(&scope, &Key::new("k").expect("key"), &request, move |tx| {
+                    Box::pin(async move {
+                        // The separate path saved the session's lock wait in this variable
+                        // (MariaDB's merged path never sets it).
+                        let saved: Option<Option<i64>> =
+                            tx.query_first("SELECT @idem_lock_wait").await?;
+                        assert!(saved.flatten().is_some(), "not the separate path");
+                        Ok::<_, mysql_async::Error>(i)
+                    })
+                })
+                .await
+                .expect("execute");
+            assert_eq!(out, expected);
+        }
+        let lost = idem
+            .execute(&scope, &Key::new("lost").expect("key"), &request, |tx| {
+                Box::pin(async move {
+                    tx.query_drop("ROLLBACK").await?;
+                    Ok::<_, mysql_async::Error>(1)
+                })
+            })
+            .await;
+        match lost {
+            Err(Error::Backend(e)) => {
+                assert!(e.to_string().contains("ended inside the effect"), "{e}")
+            }
+            other => panic!("expected the lost-transaction error, got {other:?}"),
+        }
+        let sub = Subscriber::new("s").expect("subscriber");
+        let id = MessageId::new("m").expect("message id");
+        for expected in [Consumed::Applied(()), Consumed::Duplicate] {
+            let out = idem
+                .consume(&sub, &id, None, |_tx| {
+                    Box::pin(async { Ok::<_, mysql_async::Error>(()) })
+                })
+                .await
+                .expect("consume");
+            assert_eq!(out, expected);
+        }
+        let records: Option<(i64, i64, i64)> = conn
+            .query_first(format!(
+                "SELECT (SELECT COUNT(*) FROM {name}.idem_request_result), \
+                 (SELECT COUNT(*) FROM {name}.idem_request_result WHERE response IS NULL), \
+                 (SELECT COUNT(*) FROM {name}.idem_processed_message)"
+            ))
+            .await
+            .expect("count");
+        assert_eq!(records, Some((1, 0, 1)));
+        drop(idem);
+        backend.disconnect().await.expect("disconnect");
+        conn.query_drop(format!("DROP DATABASE {name}"))
+            .await
+            .expect("drop");
+        drop(conn);
+        admin.disconnect().await.expect("disconnect");
+    }
+
     #[test]
     fn migration_is_embedded() {
         assert_eq!(MIGRATIONS.len(), 4);
