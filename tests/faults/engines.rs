@@ -518,7 +518,7 @@ mod mysql {
             gate: bool,
             hook: Option<Hook>,
         ) -> BoxFuture<'_, Result<Value, DbError>> {
-            Box::pin(session_apply(tx.transaction(), key, amount, gate, hook))
+            Box::pin(session_apply(tx.conn(), key, amount, gate, hook))
         }
 
         async fn apply_alone(
@@ -619,7 +619,8 @@ mod mysql {
             // holder and its waiter run here). MariaDB's INNODB_TRX does not list a
             // transaction whose first statement waits, so the process list it is. On
             // MariaDB the claim is `SET STATEMENT innodb_lock_wait_timeout = N FOR
-            // INSERT …`.
+            // INSERT …`, sent after `START TRANSACTION; ` in the same message (the
+            // process list shows the statement of a multi-statement message that runs).
             let id: Option<Option<u64>> = scalar(
                 self,
                 "SELECT ID FROM information_schema.PROCESSLIST \

@@ -37,6 +37,33 @@
 //! (idem's `Error::InProgress`, not retried). A 1205 inside the effect is still a
 //! retried lock timeout.
 //!
+//! # Merged messages on MariaDB
+//!
+//! On MariaDB (MySQL 8 and TiDB keep separate statements) a new request costs two round
+//! trips more than its bare effect, one without the replay read:
+//!
+//! - **`START TRANSACTION` and the claim travel in one text message**,
+//!   `START TRANSACTION; SET STATEMENT innodb_lock_wait_timeout = N FOR INSERT …`
+//!   (mysql_async sets `CLIENT_MULTI_STATEMENTS`; the server runs them in order and
+//!   stops at the first error). A 1062 or 1205 fails only the `INSERT`: the transaction
+//!   stays open for the claim's re-read, or is rolled back. A message claim's savepoint
+//!   travels in the same message.
+//! - **The completion, its checks and `COMMIT` travel as one compound statement**,
+//!   `BEGIN NOT ATOMIC … COMMIT; END`: it signals (SQLSTATE 45000) instead of committing
+//!   when the server is no longer inside idem's transaction, when the completion found
+//!   no unfinished, unexpired record, or when a message's savepoint is gone; a signal
+//!   leaves the transaction open, idem rolls it back and returns the same errors as the
+//!   separate checks. A lost reply of this message is an unknown outcome, like a lost
+//!   `COMMIT` reply.
+//!
+//! A text message cannot bind values, so every user value in these messages is a hex
+//! literal with a charset introducer (`_utf8mb4 X'…'` for the `utf8mb4_bin` text
+//! columns, `_binary X'…'` for the `VARBINARY` keys, whose primary-key index is still
+//! used): only `[0-9A-F]` of user data ever reaches the SQL text, nothing is quoted or
+//! escaped, and integers are formatted by idem. The hex form is twice the payload's size:
+//! a request or response whose hex does not fit `max_allowed_packet` is refused before
+//! any SQL.
+//!
 //! # Retention in the row
 //!
 //! Each record's `expires_at` is set at the claim (`UTC_TIMESTAMP(6)` + the operation's
@@ -119,9 +146,14 @@
 //!
 //! # Effects
 //!
-//! Effects receive a [`MysqlTx`], which dereferences to the open
-//! [`mysql_async::Transaction`]; run SQL on it with
+//! Effects receive a [`MysqlTx`]: a pooled [`mysql_async::Conn`] on which idem opened
+//! the transaction itself (not a `mysql_async::Transaction`, which always sends its own
+//! `START TRANSACTION` and `COMMIT`). It dereferences to the connection ([`MysqlTx::conn`]
+//! names it); run SQL on it with
 //! [`mysql_async::prelude::Queryable`]: `tx.exec_drop("UPDATE …", (amount, id)).await`.
+//! A `MysqlTx` dropped with its transaction open (a cancelled call) never goes back to
+//! the pool inside it: the pool resets the session (`COM_RESET_CONNECTION`, which rolls
+//! back) before reusing the connection, or discards it.
 //! Return driver errors (or errors whose `source()` chain holds them) instead of
 //! swallowing them: after a 1213 the server has already rolled the whole transaction
 //! back, record included, and what the effect runs afterwards is no longer in it
@@ -180,10 +212,7 @@ use idem_core::{
 pub use mysql_async;
 use mysql_async::consts::StatusFlags;
 use mysql_async::prelude::{FromValue, Queryable};
-use mysql_async::{
-    DEFAULT_POOL_CONSTRAINTS, Opts, OptsBuilder, Pool, PoolConstraints, Row, Transaction, TxOpts,
-    Value,
-};
+use mysql_async::{DEFAULT_POOL_CONSTRAINTS, Opts, OptsBuilder, Pool, PoolConstraints, Row, Value};
 
 pub use error_codes::db_error;
 pub use leader::{MysqlHeld, MysqlLeaderLock};
@@ -229,36 +258,113 @@ const ENGINE: &str = "mysql";
 /// The open transaction handed to effects: the idem record and the effect's SQL commit
 /// or roll back together.
 ///
-/// It dereferences to [`mysql_async::Transaction`], so every
-/// [`Queryable`] method works on it directly
-/// (`tx.exec_drop(…)`, `tx.exec_first(…)`). Never commit or roll it back yourself, and
-/// return driver errors instead of swallowing them (see the crate documentation).
+/// A pooled [`mysql_async::Conn`] on which idem itself opened the transaction (it sends
+/// its own `START TRANSACTION` and `COMMIT`, merged with its own statements on MariaDB;
+/// see the crate documentation). It dereferences to the connection, so every
+/// [`Queryable`] method works on it directly (`tx.exec_drop(…)`, `tx.exec_first(…)`).
+/// Never commit or roll it back yourself, and return driver errors instead of
+/// swallowing them (see the crate documentation).
+///
+/// Dropped while its transaction is still open (a cancelled `execute`, a panicking
+/// effect, a failed `ROLLBACK`), the connection is never handed out again inside that
+/// transaction: it is marked so that the pool resets its session
+/// (`COM_RESET_CONNECTION`, which rolls the transaction back) before anyone reuses it,
+/// and discards it when the reset fails.
 #[derive(Debug)]
 pub struct MysqlTx {
-    tx: Transaction<'static>,
+    conn: mysql_async::Conn,
+    /// idem opened a transaction on `conn` (or sent the statement that opens it) and
+    /// has not ended it.
+    open: bool,
     /// `begin_runs` bounded the session's `innodb_lock_wait_timeout`: give it back
     /// before the transaction ends.
     restore_lock_wait: bool,
 }
 
 impl MysqlTx {
-    /// The transaction, for code that wants it by name.
-    pub fn transaction(&mut self) -> &mut Transaction<'static> {
-        &mut self.tx
+    /// A connection with no transaction of idem's yet.
+    fn new(conn: mysql_async::Conn) -> Self {
+        Self {
+            conn,
+            open: false,
+            restore_lock_wait: false,
+        }
+    }
+
+    /// The connection the transaction runs on, for code that wants it by name.
+    pub fn conn(&mut self) -> &mut mysql_async::Conn {
+        &mut self.conn
+    }
+
+    /// Sends `statement`, which opens idem's transaction (`START TRANSACTION`, alone or
+    /// first in a message). The transaction counts as open from here, whatever the
+    /// answer: a `ROLLBACK` where none is open is harmless, the reverse is not.
+    async fn start(&mut self, statement: &str) -> Result<(), mysql_async::Error> {
+        self.open = true;
+        self.conn.query_drop(statement).await
+    }
+
+    /// Sends `statement`, which ends idem's transaction (`COMMIT`, or a merged
+    /// completion ending in `COMMIT`); on success nothing is left open. On an error the
+    /// transaction is rolled back here (a statement error leaves it open), and, if that
+    /// fails too, the drop hands the connection to the pool for a reset.
+    async fn end_with(mut self, statement: &str) -> Result<(), mysql_async::Error> {
+        match self.conn.query_drop(statement).await {
+            Ok(()) => {
+                self.open = false;
+                Ok(())
+            }
+            Err(e) => {
+                // The first error is the one to report.
+                let _ = self.rollback().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Commits idem's transaction.
+    async fn commit(self) -> Result<(), DbError> {
+        self.end_with(sql::COMMIT).await.map_err(db_error)
+    }
+
+    /// Rolls idem's transaction back (nothing to do if none was opened). A failed
+    /// `ROLLBACK` leaves the connection marked open: its drop sends it to be reset or
+    /// discarded, never reused as it is.
+    async fn rollback(mut self) -> Result<(), DbError> {
+        if !self.open {
+            return Ok(());
+        }
+        self.conn
+            .query_drop(sql::ROLLBACK)
+            .await
+            .map_err(db_error)?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl Drop for MysqlTx {
+    fn drop(&mut self) {
+        if self.open {
+            // The pool's recycler resets the session (COM_RESET_CONNECTION rolls back an
+            // open transaction) before the connection is reused, and discards it if the
+            // reset fails; it needs no runtime here, and nothing else is sent.
+            self.conn.reset_connection(true);
+        }
     }
 }
 
 impl Deref for MysqlTx {
-    type Target = Transaction<'static>;
+    type Target = mysql_async::Conn;
 
     fn deref(&self) -> &Self::Target {
-        &self.tx
+        &self.conn
     }
 }
 
 impl DerefMut for MysqlTx {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.tx
+        &mut self.conn
     }
 }
 
@@ -432,6 +538,8 @@ struct Target<'a> {
     lookup_committed: &'static str,
     expired: &'static str,
     key: Vec<Value>,
+    /// The same key columns as bytes.
+    key_bytes: Vec<&'a [u8]>,
     request: Option<&'a str>,
     is_request: bool,
 }
@@ -451,6 +559,11 @@ impl<'a> Target<'a> {
                     scope.operation.as_str().as_bytes().into(),
                     key.as_str().as_bytes().into(),
                 ],
+                key_bytes: vec![
+                    scope.principal.as_str().as_bytes(),
+                    scope.operation.as_str().as_bytes(),
+                    key.as_str().as_bytes(),
+                ],
                 request: claim.request,
                 is_request: true,
             },
@@ -467,6 +580,10 @@ impl<'a> Target<'a> {
                 key: vec![
                     subscriber.as_str().as_bytes().into(),
                     message_id.as_str().as_bytes().into(),
+                ],
+                key_bytes: vec![
+                    subscriber.as_str().as_bytes(),
+                    message_id.as_str().as_bytes(),
                 ],
                 request: claim.request,
                 is_request: false,
@@ -485,6 +602,11 @@ impl<'a> Target<'a> {
 
     fn request_value(&self) -> Value {
         self.request.into()
+    }
+
+    /// The key columns as `_binary` hex literals, for statements sent as text.
+    fn key_literals(&self) -> Vec<sql::Lit<'_>> {
+        self.key_bytes.iter().map(|b| sql::Lit::Bytes(b)).collect()
     }
 
     /// Reads `(request, response, status)` or `(fingerprint)`, then `expired` when
@@ -531,9 +653,10 @@ fn is_duplicate(e: &mysql_async::Error) -> bool {
     error_codes::server_code(e).map(error_codes::kind_of) == Some(ErrorKind::UniqueViolation)
 }
 
-/// Whether the server still reports an open transaction on this session.
-fn in_transaction(tx: &Transaction<'static>) -> bool {
-    tx.last_ok_packet().is_some_and(|ok| {
+/// Whether the server still reports an open transaction on this session (from the last
+/// OK packet's status flags).
+fn in_transaction(conn: &mysql_async::Conn) -> bool {
+    conn.last_ok_packet().is_some_and(|ok| {
         ok.status_flags()
             .contains(StatusFlags::SERVER_STATUS_IN_TRANS)
     })
@@ -551,10 +674,23 @@ fn lost_transaction() -> DbError {
 }
 
 /// Rolls back after a failure and returns the failure.
-async fn abort(tx: Transaction<'static>, e: DbError) -> DbError {
-    // The first error is the one that matters; a failed ROLLBACK drops the connection.
+async fn abort(tx: MysqlTx, e: DbError) -> DbError {
+    // The first error is the one that matters; a connection whose ROLLBACK failed is
+    // reset or discarded by the pool, never reused inside the transaction.
     let _ = tx.rollback().await;
     e
+}
+
+/// A statement the backend failed to build (a placeholder count that does not match its
+/// values): a bug, reported instead of sent.
+fn unbuildable(what: &str) -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        format!(
+            "idem could not build the {what} statement (a bug in idem-mysql; nothing was sent)"
+        ),
+    )
 }
 
 /// What the backend reads from the server once.
@@ -579,17 +715,27 @@ fn lock_wait_secs(wait: Duration) -> u64 {
 /// A claim's open transaction (its `innodb_lock_wait_timeout` bounded by the wait).
 #[derive(Debug)]
 pub struct MysqlOpen {
-    tx: Transaction<'static>,
+    tx: MysqlTx,
     /// MariaDB: `SET STATEMENT innodb_lock_wait_timeout = N FOR ` before each claim
     /// statement (the session is never changed). MySQL: empty, the session's value was
     /// saved and bounded at `begin` and is restored by `ready`/`rollback`.
     bound: String,
+    /// MariaDB: `START TRANSACTION` has not been sent yet; it travels with the first
+    /// `INSERT`, in the same message.
+    start_pending: bool,
+    /// MariaDB, messages: the claim's savepoint travelled with the winning `INSERT`.
+    savepoint_set: bool,
 }
 
 impl MysqlOpen {
     /// `statement`, bounded on MariaDB.
     fn bounded(&self, statement: &str) -> String {
         format!("{}{statement}", self.bound)
+    }
+
+    /// MariaDB (the claim's statements are text with their values inlined).
+    fn mariadb(&self) -> bool {
+        !self.bound.is_empty()
     }
 }
 
@@ -600,24 +746,27 @@ impl ClaimSteps for MysqlBackend {
     type Won = MysqlTx;
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MysqlOpen>, DbError> {
-        self.check_packet("request", claim.request).await?;
-        let tx = tokio::time::timeout(
-            self.acquire_timeout,
-            self.pool.start_transaction(TxOpts::default()),
-        )
-        .await
-        .map_err(|_| self.acquire_timed_out())?
-        .map_err(db_error)?;
+        let mariadb = self.server().await?.mariadb;
+        self.check_packet("request", claim.request, mariadb).await?;
+        let mut tx = MysqlTx::new(self.conn().await?);
         let secs = lock_wait_secs(claim.wait);
-        if self.server().await?.mariadb {
+        if mariadb {
+            // Nothing sent yet: START TRANSACTION goes with the INSERT.
             return Ok(Begun::Open(MysqlOpen {
                 tx,
                 bound: format!("{}{secs} FOR ", sql::SET_STATEMENT_LOCK_WAIT),
+                start_pending: true,
+                savepoint_set: false,
             }));
+        }
+        if let Err(e) = tx.start(sql::START_TRANSACTION).await {
+            return Err(abort(tx, db_error(e)).await);
         }
         let mut open = MysqlOpen {
             tx,
             bound: String::new(),
+            start_pending: false,
+            savepoint_set: false,
         };
         let bound = format!("{}{secs}", sql::SET_LOCK_WAIT);
         match open.tx.query_drop(bound).await {
@@ -632,9 +781,35 @@ impl ClaimSteps for MysqlBackend {
     async fn insert(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
         let target = Target::of(claim);
         let micros = window_micros(claim.retention);
-        let params = target.params(vec![], vec![target.request_value(), micros.into()]);
-        match open.tx.exec_drop(open.bounded(target.insert), params).await {
-            Ok(()) => Ok(true),
+        let sent = if open.mariadb() {
+            // One text message: START TRANSACTION (the first time), the bounded INSERT
+            // with its values inlined as hex literals, and for a message the savepoint
+            // the completion checks (it runs only if the INSERT succeeded).
+            let mut values = target.key_literals();
+            values.push(target.request.map_or(sql::Lit::Null, sql::Lit::Text));
+            values.push(sql::Lit::Int(micros));
+            let insert = sql::inline(target.insert, &values).ok_or_else(|| unbuildable("claim"))?;
+            let mut message = open.bounded(&insert);
+            if !target.is_request {
+                message = format!("{message}; {}", sql::SAVEPOINT_CLAIMED);
+            }
+            if open.start_pending {
+                open.start_pending = false;
+                open.tx
+                    .start(&format!("{}{message}", sql::START_TRANSACTION_THEN))
+                    .await
+            } else {
+                open.tx.query_drop(message).await
+            }
+        } else {
+            let params = target.params(vec![], vec![target.request_value(), micros.into()]);
+            open.tx.exec_drop(target.insert, params).await
+        };
+        match sent {
+            Ok(()) => {
+                open.savepoint_set = open.mariadb() && !target.is_request;
+                Ok(true)
+            }
             Err(e) if is_duplicate(&e) => Ok(false),
             Err(e) => Err(db_error(e)),
         }
@@ -642,9 +817,10 @@ impl ClaimSteps for MysqlBackend {
 
     async fn reread(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
         let target = Target::of(claim);
+        let statement = open.bounded(target.select);
         let row: Option<Row> = open
             .tx
-            .exec_first(open.bounded(target.select), target.params(vec![], vec![]))
+            .exec_first(statement, target.params(vec![], vec![]))
             .await
             .map_err(db_error)?;
         let Some(row) = row else {
@@ -675,13 +851,13 @@ impl ClaimSteps for MysqlBackend {
     async fn ready(&self, open: &mut MysqlOpen, claim: &Claim<'_>) -> Result<(), DbError> {
         // The effect (and the pooled session) keep their own lock-wait timeout (on
         // MariaDB it was never changed).
-        if open.bound.is_empty() {
+        if !open.mariadb() {
             open.tx
                 .query_drop(sql::RESTORE_LOCK_WAIT)
                 .await
                 .map_err(db_error)?;
         }
-        if Target::of(claim).is_request {
+        if Target::of(claim).is_request || open.savepoint_set {
             return Ok(());
         }
         // The savepoint the completion checks: the message claim is still in this
@@ -693,23 +869,20 @@ impl ClaimSteps for MysqlBackend {
     }
 
     fn won(&self, open: MysqlOpen, _claim: &Claim<'_>) -> MysqlTx {
-        MysqlTx {
-            tx: open.tx,
-            restore_lock_wait: false,
-        }
+        open.tx
     }
 
     async fn rollback(&self, open: MysqlOpen) -> Result<(), DbError> {
         let mut tx = open.tx;
-        let restored = if open.bound.is_empty() {
+        let restored = if tx.open && open.bound.is_empty() {
             tx.query_drop(sql::RESTORE_LOCK_WAIT)
                 .await
                 .map_err(db_error)
         } else {
             Ok(())
         };
-        // A failed ROLLBACK drops the connection.
-        let ended = tx.rollback().await.map_err(db_error);
+        // A connection whose ROLLBACK failed is reset or discarded by the pool.
+        let ended = tx.rollback().await;
         restored.and(ended)
     }
 
@@ -729,8 +902,61 @@ fn expired_during_effect() -> DbError {
     )
 }
 
+/// MariaDB: the completion, its checks and `COMMIT` in one compound statement
+/// ([`sql::complete_and_commit_request`], [`sql::complete_and_commit_message`]); its
+/// `SIGNAL`s become the same errors as the separate statements' checks.
+async fn complete_and_commit(
+    tx: MysqlTx,
+    target: &Target<'_>,
+    response: Option<&str>,
+    status: Status,
+) -> Result<(), DbError> {
+    let key = target.key_literals();
+    let Some(expired) = sql::inline(target.expired, &key) else {
+        return Err(abort(tx, unbuildable("completion")).await);
+    };
+    let message = if target.is_request {
+        let mut values = vec![
+            response.map_or(sql::Lit::Null, sql::Lit::Text),
+            sql::Lit::Int(i64::from(status.code())),
+        ];
+        values.extend(key);
+        let Some(complete) = sql::inline(sql::COMPLETE_REQUEST, &values) else {
+            return Err(abort(tx, unbuildable("completion")).await);
+        };
+        sql::complete_and_commit_request(&complete, &expired)
+    } else {
+        sql::complete_and_commit_message(&expired)
+    };
+    // On an error `end_with` has rolled back (or left the connection to be reset).
+    tx.end_with(&message).await.map_err(|e| {
+        match error_codes::server_code(&e) {
+            Some(error_codes::ER_SIGNAL_EXCEPTION) => {
+                let text = match &e {
+                    mysql_async::Error::Server(server) => server.message.as_str(),
+                    _ => "",
+                };
+                if text == sql::SIGNAL_EXPIRED {
+                    expired_during_effect()
+                } else if text == sql::SIGNAL_LOST {
+                    lost_transaction()
+                } else {
+                    db_error(e)
+                }
+            }
+            // The claim's savepoint is gone: so is the claiming transaction.
+            Some(error_codes::ER_SP_DOES_NOT_EXIST) => lost_transaction(),
+            _ => db_error(e),
+        }
+    })
+}
+
 /// Room kept in a packet for everything but the payload (command, keys, lengths).
 const PACKET_OVERHEAD: u64 = 1024;
+/// Room kept in a merged MariaDB message for everything but the payload's hex: the
+/// statements (a completion's compound statement is under 1 KiB) and the key columns'
+/// hex literals (3 × 255 bytes, two characters each).
+const HEX_PACKET_OVERHEAD: u64 = 4096;
 
 impl MysqlBackend {
     /// The server's `max_allowed_packet` and whether it is MariaDB (read on first use,
@@ -760,23 +986,39 @@ impl MysqlBackend {
     /// Refuses, before any SQL, a payload the server would refuse: above
     /// `max_allowed_packet` the server drops the connection (the client then sees a
     /// broken or out-of-sync stream, which would look like a lost connection and be
-    /// retried). Not retried; the error names the setting.
-    async fn check_packet(&self, what: &str, payload: Option<&str>) -> Result<(), DbError> {
+    /// retried). Not retried; the error names the setting. `hex`: the payload travels
+    /// as a hex literal in the statement's text (MariaDB's merged messages), two bytes
+    /// per byte.
+    async fn check_packet(
+        &self,
+        what: &str,
+        payload: Option<&str>,
+        hex: bool,
+    ) -> Result<(), DbError> {
         let Some(payload) = payload else {
             return Ok(());
         };
         let len = u64::try_from(payload.len()).unwrap_or(u64::MAX);
+        let (size, overhead, form) = if hex {
+            (
+                len.saturating_mul(2),
+                HEX_PACKET_OVERHEAD,
+                " (sent as hex: twice that)",
+            )
+        } else {
+            (len, PACKET_OVERHEAD, "")
+        };
         let max = self.max_packet().await?;
-        if len.saturating_add(PACKET_OVERHEAD) <= max {
+        if size.saturating_add(overhead) <= max {
             return Ok(());
         }
         Err(DbError::new(
             ENGINE,
             ErrorKind::Other,
             format!(
-                "the {what} ({len} bytes of JSON) does not fit the server's max_allowed_packet \
-                 ({max} bytes, less {PACKET_OVERHEAD} bytes for the statement); raise \
-                 max_allowed_packet or send a smaller payload (not retried)"
+                "the {what} ({len} bytes of JSON{form}) does not fit the server's \
+                 max_allowed_packet ({max} bytes, less {overhead} bytes for the statement); \
+                 raise max_allowed_packet or send a smaller payload (not retried)"
             ),
         )
         .with_code(error_codes::ER_NET_PACKET_TOO_LARGE.to_string()))
@@ -816,15 +1058,22 @@ impl Backend for MysqlBackend {
     }
 
     async fn finish(&self, tx: MysqlTx, claim: &Claim<'_>, end: Finish<'_>) -> Result<(), DbError> {
-        let mut tx = tx.tx;
         let (response, status) = match end {
-            Finish::Rollback => return tx.rollback().await.map_err(db_error),
+            Finish::Rollback => return tx.rollback().await,
             Finish::Commit { response, status } => (response, status),
         };
-        if let Err(e) = self.check_packet("response", response).await {
+        let mariadb = match self.server().await {
+            Ok(server) => server.mariadb,
+            Err(e) => return Err(abort(tx, e).await),
+        };
+        if let Err(e) = self.check_packet("response", response, mariadb).await {
             return Err(abort(tx, e).await);
         }
         let target = Target::of(claim);
+        if mariadb {
+            return complete_and_commit(tx, &target, response, status).await;
+        }
+        let mut tx = tx;
         let intact = if target.is_request {
             // The placeholder must still be there, unfinished and unexpired, in this open
             // transaction.
@@ -868,7 +1117,7 @@ impl Backend for MysqlBackend {
         if !intact || expired.is_none() {
             return Err(abort(tx, lost_transaction()).await);
         }
-        tx.commit().await.map_err(db_error)
+        tx.commit().await
     }
 
     fn classify(&self, error: &(dyn StdError + 'static)) -> Option<ErrorKind> {
@@ -1064,6 +1313,111 @@ mod tests {
             assert_eq!(backend.classify(&unrelated), None);
             let _ = backend.disconnect().await;
         });
+    }
+
+    /// MySQL 8's and TiDB's path (separate statements, bound values, the session's lock
+    /// wait saved and restored) on the new transaction type, run live on the MariaDB at
+    /// `IDEM_MYSQL_URL` (default the local server) with the backend told it is not
+    /// MariaDB: every statement of that path is valid there too.
+    #[tokio::test]
+    async fn the_separate_statements_path_runs_on_the_new_transaction_type() {
+        use idem_core::{
+            Consumed, Error, Idem, Key, MessageId, Operation, Outcome, Principal, Request, Scope,
+            Subscriber,
+        };
+        let url = std::env::var("IDEM_MYSQL_URL")
+            .ok()
+            .filter(|v| !v.is_empty())
+            .unwrap_or_else(|| "mysql://root@127.0.0.1:3306/test".to_owned());
+        let base = parse_url(&url).expect("IDEM_MYSQL_URL");
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0);
+        let name = format!("idem_separate_{}_{nanos}", std::process::id());
+        let admin = Pool::new(base.clone());
+        let mut conn = admin
+            .get_conn()
+            .await
+            .expect("the server at IDEM_MYSQL_URL");
+        conn.query_drop(format!("CREATE DATABASE {name}"))
+            .await
+            .expect("create");
+        let opts = OptsBuilder::from_opts(base).db_name(Some(&name));
+        let backend = MysqlBackend::connect_with(opts).await.expect("connect");
+        let real = backend.server().await.expect("server");
+        // The same pool, with what the server said, but told it is not MariaDB.
+        let backend = MysqlBackend {
+            server: Arc::new(OnceCell::new_with(Some(Server {
+                mariadb: false,
+                ..real
+            }))),
+            ..backend
+        };
+        backend.migrate().await.expect("migrate");
+        let idem = Idem::new(backend.clone());
+        let scope = Scope::new(
+            Principal::new("p").expect("principal"),
+            Operation::new("op", 1).expect("operation"),
+        );
+        let request = Request::new(serde_json::json!({"it's": "a \\ test"}));
+        for (i, expected) in [(1, Outcome::Executed(1)), (2, Outcome::Replayed(1))] {
+            let out = idem
+                .execute(&scope, &Key::new("k").expect("key"), &request, move |tx| {
+                    Box::pin(async move {
+                        // The separate path saved the session's lock wait in this variable
+                        // (MariaDB's merged path never sets it).
+                        let saved: Option<Option<i64>> =
+                            tx.query_first("SELECT @idem_lock_wait").await?;
+                        assert!(saved.flatten().is_some(), "not the separate path");
+                        Ok::<_, mysql_async::Error>(i)
+                    })
+                })
+                .await
+                .expect("execute");
+            assert_eq!(out, expected);
+        }
+        let lost = idem
+            .execute(&scope, &Key::new("lost").expect("key"), &request, |tx| {
+                Box::pin(async move {
+                    tx.query_drop("ROLLBACK").await?;
+                    Ok::<_, mysql_async::Error>(1)
+                })
+            })
+            .await;
+        match lost {
+            Err(Error::Backend(e)) => {
+                assert!(e.to_string().contains("ended inside the effect"), "{e}")
+            }
+            other => panic!("expected the lost-transaction error, got {other:?}"),
+        }
+        let sub = Subscriber::new("s").expect("subscriber");
+        let id = MessageId::new("m").expect("message id");
+        for expected in [Consumed::Applied(()), Consumed::Duplicate] {
+            let out = idem
+                .consume(&sub, &id, None, |_tx| {
+                    Box::pin(async { Ok::<_, mysql_async::Error>(()) })
+                })
+                .await
+                .expect("consume");
+            assert_eq!(out, expected);
+        }
+        let records: Option<(i64, i64, i64)> = conn
+            .query_first(format!(
+                "SELECT (SELECT COUNT(*) FROM {name}.idem_request_result), \
+                 (SELECT COUNT(*) FROM {name}.idem_request_result WHERE response IS NULL), \
+                 (SELECT COUNT(*) FROM {name}.idem_processed_message)"
+            ))
+            .await
+            .expect("count");
+        assert_eq!(records, Some((1, 0, 1)));
+        drop(idem);
+        backend.disconnect().await.expect("disconnect");
+        conn.query_drop(format!("DROP DATABASE {name}"))
+            .await
+            .expect("drop");
+        drop(conn);
+        admin.disconnect().await.expect("disconnect");
     }
 
     #[test]

@@ -36,10 +36,10 @@ use idem_core::runs::{
 };
 use idem_core::{DbError, ErrorKind, Key, OutboxStore, Outgoing, RunStore, Scope, Status};
 use mysql_async::prelude::Queryable;
-use mysql_async::{IsolationLevel, Row, Transaction, TxOpts, Value};
+use mysql_async::{Row, Value};
 
 use crate::{
-    ENGINE, MysqlBackend, MysqlTx, db_error, in_transaction, lock_wait_secs, sql, take,
+    ENGINE, MysqlBackend, MysqlTx, abort, db_error, in_transaction, lock_wait_secs, sql, take,
     window_micros,
 };
 
@@ -66,7 +66,7 @@ fn lost_run_transaction() -> DbError {
 /// Fails unless the session is still inside the transaction. The last OK packet's
 /// status flags answer without a round trip; after an error (which carries no flags)
 /// the server is asked with a no-op.
-async fn still_open(tx: &mut Transaction<'static>) -> Result<(), DbError> {
+async fn still_open(tx: &mut mysql_async::Conn) -> Result<(), DbError> {
     if in_transaction(tx) {
         return Ok(());
     }
@@ -84,7 +84,7 @@ async fn restore(tx: &mut MysqlTx) -> Result<(), DbError> {
     if !tx.restore_lock_wait {
         return Ok(());
     }
-    tx.tx
+    tx.conn
         .query_drop(sql::RESTORE_RUN_LOCK_WAIT)
         .await
         .map_err(db_error)?;
@@ -111,26 +111,22 @@ fn run_row(mut row: Row) -> Result<RunRow, DbError> {
 
 impl RunStore for MysqlBackend {
     async fn begin_runs(&self, wait: Option<Duration>) -> Result<MysqlTx, DbError> {
-        let mut opts = TxOpts::new();
-        opts.with_isolation_level(IsolationLevel::ReadCommitted);
-        let tx = tokio::time::timeout(self.acquire_timeout, self.pool.start_transaction(opts))
-            .await
-            .map_err(|_| self.acquire_timed_out())?
-            .map_err(db_error)?;
-        let mut tx = MysqlTx {
-            tx,
-            restore_lock_wait: false,
-        };
+        let mut tx = MysqlTx::new(self.conn().await?);
+        // The next transaction only; the pooled session keeps its own level.
+        if let Err(e) = tx.query_drop(sql::READ_COMMITTED).await {
+            return Err(db_error(e));
+        }
+        if let Err(e) = tx.start(sql::START_TRANSACTION).await {
+            return Err(abort(tx, db_error(e)).await);
+        }
         if let Some(wait) = wait {
             let secs = lock_wait_secs(wait);
             let bound = format!(
                 "{}{secs}, SESSION lock_wait_timeout = {secs}",
                 sql::SET_RUN_LOCK_WAIT
             );
-            if let Err(e) = tx.tx.query_drop(bound).await {
-                // A failed ROLLBACK drops the connection.
-                let _ = tx.tx.rollback().await;
-                return Err(db_error(e));
+            if let Err(e) = tx.query_drop(bound).await {
+                return Err(abort(tx, db_error(e)).await);
             }
             tx.restore_lock_wait = true;
         }
@@ -139,20 +135,19 @@ impl RunStore for MysqlBackend {
 
     async fn commit_runs(&self, mut tx: MysqlTx) -> Result<(), DbError> {
         let ready = match restore(&mut tx).await {
-            Ok(()) => still_open(&mut tx.tx).await,
+            Ok(()) => still_open(&mut tx.conn).await,
             Err(e) => Err(e),
         };
         if let Err(e) = ready {
-            let _ = tx.tx.rollback().await;
-            return Err(e);
+            return Err(abort(tx, e).await);
         }
-        tx.tx.commit().await.map_err(db_error)
+        tx.commit().await
     }
 
     async fn rollback_runs(&self, mut tx: MysqlTx) -> Result<(), DbError> {
         let restored = restore(&mut tx).await;
-        // A failed ROLLBACK drops the connection.
-        let ended = tx.tx.rollback().await.map_err(db_error);
+        // A connection whose ROLLBACK failed is reset or discarded by the pool.
+        let ended = tx.rollback().await;
         restored.and(ended)
     }
 
@@ -163,7 +158,8 @@ impl RunStore for MysqlBackend {
         key: &Key,
         run: &NewRun<'_>,
     ) -> Result<bool, DbError> {
-        self.check_packet("request", Some(run.request)).await?;
+        self.check_packet("request", Some(run.request), false)
+            .await?;
         let mut params: Vec<Value> = key_values(scope, key).into();
         params.extend([
             run.request.into(),
@@ -173,11 +169,11 @@ impl RunStore for MysqlBackend {
             window_micros(run.lease).into(),
             window_micros(run.retention).into(),
         ]);
-        tx.tx
+        tx.conn
             .exec_drop(sql::INSERT_RUN, params)
             .await
             .map_err(db_error)?;
-        Ok(tx.tx.affected_rows() == 1)
+        Ok(tx.conn.affected_rows() == 1)
     }
 
     async fn read_run(
@@ -187,7 +183,7 @@ impl RunStore for MysqlBackend {
         key: &Key,
     ) -> Result<Option<RunRow>, DbError> {
         let row: Option<Row> = tx
-            .tx
+            .conn
             .exec_first(sql::SELECT_RUN, key_values(scope, key).to_vec())
             .await
             .map_err(db_error)?;
@@ -202,9 +198,9 @@ impl RunStore for MysqlBackend {
         expected: &RunGuard<'_>,
         write: &RunWrite<'_>,
     ) -> Result<bool, DbError> {
-        self.check_packet("state", write.state).await?;
-        self.check_packet("response", write.response).await?;
-        still_open(&mut tx.tx).await?;
+        self.check_packet("state", write.state, false).await?;
+        self.check_packet("response", write.response, false).await?;
+        still_open(&mut tx.conn).await?;
         let mut params: Vec<Value> = vec![
             write.owner.into(),
             write.fence.into(),
@@ -220,11 +216,11 @@ impl RunStore for MysqlBackend {
             expected.fence.into(),
             expected.point.into(),
         ]);
-        tx.tx
+        tx.conn
             .exec_drop(sql::WRITE_RUN, params)
             .await
             .map_err(db_error)?;
-        Ok(tx.tx.affected_rows() == 1)
+        Ok(tx.conn.affected_rows() == 1)
     }
 
     async fn renew_lease(
@@ -236,15 +232,15 @@ impl RunStore for MysqlBackend {
         fence: i64,
         lease: Duration,
     ) -> Result<bool, DbError> {
-        still_open(&mut tx.tx).await?;
+        still_open(&mut tx.conn).await?;
         let mut params: Vec<Value> = vec![window_micros(lease).into()];
         params.extend(key_values(scope, key));
         params.extend([owner.into(), fence.into()]);
-        tx.tx
+        tx.conn
             .exec_drop(sql::RENEW_LEASE, params)
             .await
             .map_err(db_error)?;
-        Ok(tx.tx.affected_rows() == 1)
+        Ok(tx.conn.affected_rows() == 1)
     }
 
     async fn probe_run(
@@ -254,7 +250,7 @@ impl RunStore for MysqlBackend {
         key: &Key,
     ) -> Result<RunProbe, DbError> {
         let free: Option<i64> = tx
-            .tx
+            .conn
             .exec_first(sql::PROBE_RUN_LOCK, key_values(scope, key).to_vec())
             .await
             .map_err(db_error)?;
@@ -262,7 +258,7 @@ impl RunStore for MysqlBackend {
             return Ok(RunProbe::Free);
         }
         let exists: Option<i64> = tx
-            .tx
+            .conn
             .exec_first(sql::PROBE_RUN_EXISTS, key_values(scope, key).to_vec())
             .await
             .map_err(db_error)?;
@@ -282,11 +278,11 @@ impl RunStore for MysqlBackend {
     ) -> Result<bool, DbError> {
         let mut params: Vec<Value> = key_values(scope, key).into();
         params.push(expected.into());
-        tx.tx
+        tx.conn
             .exec_drop(sql::DELETE_RUN, params)
             .await
             .map_err(db_error)?;
-        Ok(tx.tx.affected_rows() == 1)
+        Ok(tx.conn.affected_rows() == 1)
     }
 
     async fn stalled_runs(&self, limit: u32) -> Result<Vec<StalledRow>, DbError> {
@@ -316,14 +312,14 @@ impl RunStore for MysqlBackend {
 
 impl OutboxStore for MysqlBackend {
     async fn enqueue(&self, tx: &mut MysqlTx, message: &Outgoing) -> Result<(), DbError> {
-        self.check_packet("outbox payload", Some(message.payload()))
+        self.check_packet("outbox payload", Some(message.payload()), false)
             .await?;
         let params: Vec<Value> = vec![
             message.destination().as_bytes().into(),
             message.message_id().as_bytes().into(),
             message.payload().into(),
         ];
-        tx.tx
+        tx.conn
             .exec_drop(sql::ENQUEUE, params)
             .await
             .map_err(db_error)
@@ -331,7 +327,7 @@ impl OutboxStore for MysqlBackend {
 
     async fn lock_due(&self, tx: &mut MysqlTx, limit: u32) -> Result<Vec<DueRow>, DbError> {
         let rows: Vec<Row> = tx
-            .tx
+            .conn
             .exec(sql::LOCK_DUE, (limit,))
             .await
             .map_err(db_error)?;
@@ -356,7 +352,7 @@ impl OutboxStore for MysqlBackend {
         destination: &str,
         up_to: i64,
     ) -> Result<Vec<i64>, DbError> {
-        tx.tx
+        tx.conn
             .exec(sql::PENDING_IDS, (destination.as_bytes(), up_to))
             .await
             .map_err(db_error)
@@ -371,7 +367,7 @@ impl OutboxStore for MysqlBackend {
     ) -> Result<(), DbError> {
         let mut params: Vec<Value> = vec![token.as_bytes().into(), window_micros(lease).into()];
         params.extend(ids.iter().map(|&id| Value::from(id)));
-        tx.tx
+        tx.conn
             .exec_drop(sql::claim_due(ids.len()), params)
             .await
             .map_err(db_error)
@@ -380,7 +376,7 @@ impl OutboxStore for MysqlBackend {
     async fn release(&self, tx: &mut MysqlTx, ids: &[i64], token: &str) -> Result<(), DbError> {
         let mut params: Vec<Value> = vec![token.as_bytes().into()];
         params.extend(ids.iter().map(|&id| Value::from(id)));
-        tx.tx
+        tx.conn
             .exec_drop(sql::release(ids.len()), params)
             .await
             .map_err(db_error)
@@ -389,11 +385,11 @@ impl OutboxStore for MysqlBackend {
     async fn mark_sent(&self, tx: &mut MysqlTx, ids: &[i64], token: &str) -> Result<u64, DbError> {
         let mut params: Vec<Value> = vec![token.as_bytes().into()];
         params.extend(ids.iter().map(|&id| Value::from(id)));
-        tx.tx
+        tx.conn
             .exec_drop(sql::mark_sent(ids.len()), params)
             .await
             .map_err(db_error)?;
-        Ok(tx.tx.affected_rows())
+        Ok(tx.conn.affected_rows())
     }
 
     async fn record_failure(
@@ -407,14 +403,14 @@ impl OutboxStore for MysqlBackend {
         let token = token.as_bytes();
         let done = match retry_in {
             Some(delay) => {
-                tx.tx
+                tx.conn
                     .exec_drop(sql::RETRY_LATER, (error, window_micros(delay), id, token))
                     .await
             }
-            None => tx.tx.exec_drop(sql::BURY, (error, id, token)).await,
+            None => tx.conn.exec_drop(sql::BURY, (error, id, token)).await,
         };
         done.map_err(db_error)?;
-        Ok(tx.tx.affected_rows() == 1)
+        Ok(tx.conn.affected_rows() == 1)
     }
 
     async fn outbox_stats(&self) -> Result<OutboxStats, DbError> {

@@ -3,7 +3,10 @@
 //! Portable between MySQL 8.4 and MariaDB 10.11: no `RETURNING`, no `FOR SHARE`
 //! (MariaDB spells it `LOCK IN SHARE MODE`, which MySQL 8.4 still accepts), no
 //! MySQL-only collations. Parameters are `?`, in the order the comment of each
-//! statement lists.
+//! statement lists. The exceptions are MariaDB's merged messages (the claim after
+//! [`START_TRANSACTION_THEN`], [`complete_and_commit_request`],
+//! [`complete_and_commit_message`]): text queries, sent only to MariaDB, whose values
+//! [`inline`] writes into the text as hex literals.
 
 /// The cutoff of a retention window: the database's UTC clock minus `?` microseconds.
 macro_rules! cutoff {
@@ -97,6 +100,138 @@ pub(crate) const LOOKUP_REQUEST_COMMITTED: &str =
     concat!(lookup_request!(), " LOCK IN SHARE MODE SKIP LOCKED");
 /// Pins the next transaction (the lookup's autocommit read) to READ COMMITTED.
 pub(crate) const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
+
+/// MariaDB: the claim's first message, `START TRANSACTION` and the bounded `INSERT` of
+/// the placeholder in one text query (one round trip; the server runs them in order and
+/// stops at the first error). Followed by [`SET_STATEMENT_LOCK_WAIT`] and the claim's
+/// [`inline`]d `INSERT`. A 1062 or 1205 from the `INSERT` fails only that statement:
+/// the transaction `START TRANSACTION` opened stays open for the re-read or the
+/// rollback.
+pub(crate) const START_TRANSACTION_THEN: &str = "START TRANSACTION; ";
+/// `START TRANSACTION` alone (MySQL, and phased runs).
+pub(crate) const START_TRANSACTION: &str = "START TRANSACTION";
+/// Ends idem's transaction with its writes.
+pub(crate) const COMMIT: &str = "COMMIT";
+/// Ends idem's transaction without its writes.
+pub(crate) const ROLLBACK: &str = "ROLLBACK";
+
+/// The message of the `SIGNAL` a merged completion raises when idem's transaction is
+/// no longer the open one (see [`completion`]).
+pub(crate) const SIGNAL_LOST: &str = "idem: the transaction ended inside the effect";
+/// The message of the `SIGNAL` a merged completion raises when the record expired while
+/// the effect ran (see [`completion`]).
+pub(crate) const SIGNAL_EXPIRED: &str = "idem: the record expired before the effect finished";
+
+/// MariaDB: a request's completion and `COMMIT` in one round trip, as one compound
+/// statement (`BEGIN NOT ATOMIC … END`, MariaDB 10.1.1+). In order:
+///
+/// 1. `@@in_transaction = 0` (the effect ended idem's transaction: a swallowed
+///    deadlock, its own `COMMIT`, `ROLLBACK` or DDL) signals [`SIGNAL_LOST`] *before*
+///    anything is written, so nothing is completed in autocommit;
+/// 2. `complete`, the [`inline`]d [`COMPLETE_REQUEST`], must change exactly one row
+///    (the unfinished, unexpired placeholder); if it did not, `expired`, the
+///    [`inline`]d [`EXPIRED_REQUEST`], tells why: 1 signals [`SIGNAL_EXPIRED`] (a waiting
+///    loser would take a committed record over and run the effect again), anything else
+///    (0, no row) [`SIGNAL_LOST`];
+/// 3. `COMMIT`.
+///
+/// A `SIGNAL` (SQLSTATE 45000, error 1644) ends the compound statement before `COMMIT`
+/// and, like any statement error, leaves the transaction open: the backend rolls it
+/// back and returns the same error as the separate statements did. A lost reply is an
+/// unknown outcome exactly like a lost `COMMIT` reply.
+pub(crate) fn complete_and_commit_request(complete: &str, expired: &str) -> String {
+    format!(
+        "BEGIN NOT ATOMIC IF @@in_transaction = 0 THEN {lost}; END IF; {complete}; \
+         IF ROW_COUNT() <> 1 THEN IF ({expired}) THEN {gone}; END IF; {lost}; END IF; \
+         COMMIT; END",
+        lost = signal(SIGNAL_LOST),
+        gone = signal(SIGNAL_EXPIRED),
+    )
+}
+
+/// MariaDB: a message's completion and `COMMIT` in one round trip (see
+/// [`complete_and_commit_request`]): [`SIGNAL_LOST`] when idem's transaction is no longer
+/// open; `expired`, the [`inline`]d [`EXPIRED_MESSAGE`]: 1 signals [`SIGNAL_EXPIRED`], 0
+/// goes on, no row signals [`SIGNAL_LOST`]; then [`RELEASE_CLAIMED`] (error 1305 when
+/// the claim's savepoint, so the claiming transaction, is gone) and `COMMIT`.
+pub(crate) fn complete_and_commit_message(expired: &str) -> String {
+    format!(
+        "BEGIN NOT ATOMIC IF @@in_transaction = 0 THEN {lost}; END IF; \
+         CASE ({expired}) WHEN 1 THEN {gone}; WHEN 0 THEN DO 0; ELSE {lost}; END CASE; \
+         {RELEASE_CLAIMED}; COMMIT; END",
+        lost = signal(SIGNAL_LOST),
+        gone = signal(SIGNAL_EXPIRED),
+    )
+}
+
+/// `SIGNAL SQLSTATE '45000'` with one of this module's fixed messages (never user text).
+fn signal(message: &str) -> String {
+    format!("SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{message}'")
+}
+
+/// A value [`inline`]d into a statement's text.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Lit<'a> {
+    /// Text for a `utf8mb4` column: `_utf8mb4 X'…'`.
+    Text(&'a str),
+    /// Bytes for a `VARBINARY` column: `_binary X'…'`.
+    Bytes(&'a [u8]),
+    /// An integer idem computed, formatted in decimal.
+    Int(i64),
+    /// `NULL`.
+    Null,
+}
+
+/// The hex literal of `bytes` with a charset introducer (`_utf8mb4`, `_binary`):
+/// `_utf8mb4 X'C3A9'`, `_binary X''`. The only way a user value reaches the text of a
+/// statement: whatever the value holds (quotes, backslashes, `*/`, NUL, any Unicode), the
+/// text gets only `[0-9A-F]` from it, so nothing needs quoting or escaping and nothing
+/// can be injected; the introducer makes the server read the bytes in that character
+/// set (and so in a collation the column's is coercible from: `utf8mb4` text into the
+/// `utf8mb4_bin` columns, `binary` bytes compared with the `VARBINARY` key columns,
+/// whose primary-key index is used).
+pub(crate) fn hex_literal(introducer: &str, bytes: &[u8]) -> String {
+    const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    let mut out = String::with_capacity(introducer.len() + 4 + 2 * bytes.len());
+    out.push_str(introducer);
+    out.push_str(" X'");
+    for b in bytes {
+        out.push(char::from(HEX[usize::from(b >> 4)]));
+        out.push(char::from(HEX[usize::from(b & 0x0F)]));
+    }
+    out.push('\'');
+    out
+}
+
+impl Lit<'_> {
+    fn render(self) -> String {
+        match self {
+            Self::Text(s) => hex_literal("_utf8mb4", s.as_bytes()),
+            Self::Bytes(b) => hex_literal("_binary", b),
+            Self::Int(i) => i.to_string(),
+            Self::Null => "NULL".to_owned(),
+        }
+    }
+}
+
+/// `statement` (one of this module's, whose only `?` are its placeholders) with its
+/// placeholders replaced, in order, by `values` as literals: a text query that needs no
+/// prepared statement, so it can travel with other statements in one message. `None`
+/// when the counts differ (a bug in the caller, reported as an error).
+pub(crate) fn inline(statement: &str, values: &[Lit<'_>]) -> Option<String> {
+    if statement.matches('?').count() != values.len() {
+        return None;
+    }
+    let mut out = String::with_capacity(statement.len() + 64);
+    let mut values = values.iter();
+    for (i, part) in statement.split('?').enumerate() {
+        if i > 0 {
+            out.push_str(&values.next()?.render());
+        }
+        out.push_str(part);
+    }
+    Some(out)
+}
 
 /// Params: subscriber, message ID, fingerprint, retention (µs).
 pub(crate) const INSERT_MESSAGE: &str = concat!(
@@ -419,6 +554,10 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("restore_lock_wait", RESTORE_LOCK_WAIT),
     ("max_allowed_packet", MAX_ALLOWED_PACKET),
     ("set_statement_lock_wait", SET_STATEMENT_LOCK_WAIT),
+    ("start_transaction", START_TRANSACTION),
+    ("start_transaction_then", START_TRANSACTION_THEN),
+    ("commit", COMMIT),
+    ("rollback", ROLLBACK),
     ("savepoint_claimed", SAVEPOINT_CLAIMED),
     ("release_claimed", RELEASE_CLAIMED),
     ("purge_requests", PURGE_REQUESTS),
@@ -559,6 +698,140 @@ mod tests {
                 .ends_with("AND owner = ? AND fence = ? AND point = ? AND status IS NULL")
         );
         assert!(super::RENEW_LEASE.ends_with("AND owner = ? AND fence = ? AND status IS NULL"));
+    }
+
+    #[test]
+    fn hex_literals_carry_only_hex_digits_of_user_data() {
+        use super::{Lit, hex_literal, inline};
+        assert_eq!(hex_literal("_utf8mb4", b""), "_utf8mb4 X''");
+        assert_eq!(hex_literal("_binary", b"k"), "_binary X'6B'");
+        assert_eq!(hex_literal("_utf8mb4", "'".as_bytes()), "_utf8mb4 X'27'");
+        assert_eq!(hex_literal("_utf8mb4", b"\\"), "_utf8mb4 X'5C'");
+        assert_eq!(hex_literal("_utf8mb4", b"*/"), "_utf8mb4 X'2A2F'");
+        assert_eq!(
+            hex_literal("_utf8mb4", "é🦀".as_bytes()),
+            "_utf8mb4 X'C3A9F09FA680'"
+        );
+        assert_eq!(hex_literal("_binary", &[0, 0xFF]), "_binary X'00FF'");
+        for hostile in [
+            "it's",
+            "a\\'; DROP TABLE t; -- ",
+            "*/ /*",
+            "\"\"``",
+            "漢字\u{0}",
+        ] {
+            let lit = hex_literal("_utf8mb4", hostile.as_bytes());
+            let digits = lit
+                .strip_prefix("_utf8mb4 X'")
+                .and_then(|l| l.strip_suffix('\''))
+                .expect("the literal's frame");
+            assert_eq!(digits.len(), 2 * hostile.len());
+            assert!(
+                digits
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'A'..=b'F').contains(&b))
+            );
+        }
+        // Placeholders are replaced in order; a count that does not match is refused.
+        assert_eq!(
+            inline(
+                "UPDATE t SET a = ?, b = ?, c = ? WHERE k = ?",
+                &[Lit::Text("x"), Lit::Int(-7), Lit::Null, Lit::Bytes(b"?")]
+            )
+            .as_deref(),
+            Some("UPDATE t SET a = _utf8mb4 X'78', b = -7, c = NULL WHERE k = _binary X'3F'")
+        );
+        assert_eq!(inline("SELECT ?", &[]), None);
+        assert_eq!(inline("SELECT 1", &[Lit::Int(1)]), None);
+        // Every statement the merged messages inline has placeholders only.
+        for statement in [
+            super::INSERT_REQUEST,
+            super::INSERT_MESSAGE,
+            super::COMPLETE_REQUEST,
+            super::EXPIRED_REQUEST,
+            super::EXPIRED_MESSAGE,
+        ] {
+            assert!(!statement.contains('\''), "{statement}");
+        }
+    }
+
+    /// MariaDB's merged messages as the backend builds them, for one request and one
+    /// message (key `k`, principal `p`, operation `op`; subscriber `s`, message id `m`).
+    #[test]
+    fn merged_messages_snapshot() {
+        use super::{Lit, inline};
+        let request_key = [Lit::Bytes(b"p"), Lit::Bytes(b"op"), Lit::Bytes(b"k")];
+        let message_key = [Lit::Bytes(b"s"), Lit::Bytes(b"m")];
+        fn with<'a>(first: &[Lit<'a>], key: &[Lit<'a>], last: &[Lit<'a>]) -> Vec<Lit<'a>> {
+            first.iter().chain(key).chain(last).copied().collect()
+        }
+        let bound = format!("{}3 FOR ", super::SET_STATEMENT_LOCK_WAIT);
+        let claim_request = format!(
+            "{}{bound}{}",
+            super::START_TRANSACTION_THEN,
+            inline(
+                super::INSERT_REQUEST,
+                &with(
+                    &[],
+                    &request_key,
+                    &[Lit::Text("{}"), Lit::Int(86_400_000_000)]
+                )
+            )
+            .expect("claim")
+        );
+        let claim_message = format!(
+            "{}{bound}{}; {}",
+            super::START_TRANSACTION_THEN,
+            inline(
+                super::INSERT_MESSAGE,
+                &with(&[], &message_key, &[Lit::Null, Lit::Int(86_400_000_000)])
+            )
+            .expect("claim"),
+            super::SAVEPOINT_CLAIMED
+        );
+        let complete_request = super::complete_and_commit_request(
+            &inline(
+                super::COMPLETE_REQUEST,
+                &with(
+                    &[Lit::Text("{\"ok\":true}"), Lit::Int(0)],
+                    &request_key,
+                    &[],
+                ),
+            )
+            .expect("completion"),
+            &inline(super::EXPIRED_REQUEST, &request_key).expect("expired"),
+        );
+        let complete_message = super::complete_and_commit_message(
+            &inline(super::EXPIRED_MESSAGE, &message_key).expect("expired"),
+        );
+        let text = [
+            ("claim_request", claim_request),
+            ("claim_message", claim_message),
+            ("complete_and_commit_request", complete_request),
+            ("complete_and_commit_message", complete_message),
+        ]
+        .iter()
+        .map(|(name, sql)| format!("-- {name}\n{sql};\n"))
+        .collect::<Vec<_>>()
+        .join("\n");
+        insta::assert_snapshot!(text);
+    }
+
+    #[test]
+    fn merged_completions_check_before_they_commit() {
+        let request = super::complete_and_commit_request("UPDATE x", "SELECT 1");
+        let (before, after) = request.split_once("UPDATE x").expect("the completion");
+        assert!(before.contains("@@in_transaction = 0"), "{request}");
+        assert!(after.contains("ROW_COUNT() <> 1"), "{request}");
+        assert!(after.contains(super::SIGNAL_EXPIRED) && after.contains(super::SIGNAL_LOST));
+        assert!(request.ends_with("COMMIT; END"), "{request}");
+        let message = super::complete_and_commit_message("SELECT 1");
+        let release = message.find(super::RELEASE_CLAIMED).expect("the release");
+        assert!(message.find("CASE (SELECT 1)").is_some_and(|i| i < release));
+        assert!(message.ends_with("COMMIT; END"), "{message}");
+        for signal in [super::SIGNAL_LOST, super::SIGNAL_EXPIRED] {
+            assert!(signal.starts_with("idem: ") && !signal.contains('\''));
+        }
     }
 
     #[test]

@@ -215,23 +215,21 @@ impl Faults {
         self.slots.iter().filter(|s| s.remaining > 0).count()
     }
 
-    /// Connection `conn` sends `statement`: every armed fault moves along its trigger;
-    /// the first one that completes it (and is not skipping) hits.
-    ///
-    /// A message that holds several statements (a simple query) is followed statement
-    /// by statement; a fault that hits any of them hits the message, the unit on the
-    /// wire (its reply lost after all of them ran, or all of them cut).
+    /// Connection `conn` sends `statement`: every armed fault moves along its trigger,
+    /// through each of the statements the message runs ([`Statement::parts`], in order:
+    /// a multi-statement text query can both start a transaction and claim, or complete
+    /// and `COMMIT`); the first one that completes it (and is not skipping) hits the
+    /// message.
     pub fn decide(&mut self, conn: u64, statement: &Statement) -> Option<(FaultId, Action)> {
         let mut hit = None;
         for part in statement.parts() {
-            let decided = self.decide_one(conn, &part);
-            hit = hit.or(decided);
+            self.advance(conn, part, &mut hit);
         }
         hit
     }
 
-    fn decide_one(&mut self, conn: u64, statement: &Statement) -> Option<(FaultId, Action)> {
-        let mut hit = None;
+    /// Moves every armed fault along its trigger for one statement.
+    fn advance(&mut self, conn: u64, statement: &Statement, hit: &mut Option<(FaultId, Action)>) {
         for slot in self.slots.iter_mut().filter(|s| s.remaining > 0) {
             let at = slot.progress.entry(conn).or_insert(0);
             let steps = &slot.fault.trigger.steps;
@@ -248,13 +246,12 @@ impl Faults {
                 if hit.is_none() {
                     slot.remaining -= 1;
                     slot.hits += 1;
-                    hit = Some((slot.id, slot.fault.action));
+                    *hit = Some((slot.id, slot.fault.action));
                 }
             } else if statement.is_transaction_boundary() {
                 *at = 0;
             }
         }
-        hit
     }
 
     /// Forgets a closed connection's progress.
@@ -319,6 +316,68 @@ mod tests {
     }
 
     #[test]
+    fn merged_mariadb_messages_are_followed_statement_by_statement() {
+        // "k-1" as idem sends it in a text query: a hex literal.
+        let claim = Statement::text_query(
+            "START TRANSACTION; SET STATEMENT innodb_lock_wait_timeout = 3 FOR INSERT INTO \
+             idem_request_result (principal, request_key) VALUES (_binary X'70', _binary X'6B2D31')",
+        );
+        let complete = Statement::text_query(
+            "BEGIN NOT ATOMIC IF @@in_transaction = 0 THEN SIGNAL SQLSTATE '45000' SET \
+             MESSAGE_TEXT = 'idem: lost; really'; END IF; UPDATE idem_request_result SET \
+             response = _utf8mb4 X'7B7D' WHERE request_key = _binary X'6B2D31'; IF ROW_COUNT() \
+             <> 1 THEN SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = 'x'; END IF; COMMIT; END",
+        );
+        let kinds: Vec<&str> = complete.parts().map(Statement::kind).collect();
+        assert_eq!(kinds, ["IF", "END", "UPDATE", "IF", "END", "COMMIT", "END"]);
+        let mut f = Faults::default();
+        let insert = f.arm(Fault::lose_reply(Trigger::on(
+            Marker::kind("INSERT")
+                .with("idem_request_result")
+                .with("k-1"),
+        )));
+        let commit = f.arm(Fault::lose_reply(Trigger::commit_after(
+            Marker::kind("UPDATE")
+                .with("idem_request_result")
+                .with("k-1"),
+        )));
+        // Another key's messages hit nothing.
+        let other = Statement::text_query(claim.text().replace("6B2D31", "6B2D32"));
+        assert_eq!(f.decide(1, &other), None);
+        assert_eq!(f.decide(1, &claim), Some((insert, Action::LoseReply)));
+        // The completion's UPDATE and COMMIT travel together: the message is hit.
+        assert_eq!(f.decide(1, &complete), Some((commit, Action::LoseReply)));
+        assert_eq!((f.hits(insert), f.hits(commit)), (1, 1));
+        // A single statement is its own only part.
+        let one = st("COMMIT", "");
+        assert_eq!(one.parts().count(), 1);
+    }
+
+    /// PostgreSQL's completion and `COMMIT` in one simple query, the key as hex digits:
+    /// the `COMMIT` after the completion is found inside the message, and the message is
+    /// what the fault hits.
+    #[test]
+    fn a_postgres_simple_query_is_followed_statement_by_statement() {
+        let mut f = Faults::default();
+        let commit = f.arm(Fault::lose_reply(Trigger::commit_after(
+            Marker::kind("update").with("idem_request_result").with("k-1"),
+        )));
+        let message = |key_hex: &str| {
+            Statement::text_query(format!(
+                "UPDATE idem_request_result SET response = convert_from(decode('7b7d', 'hex'), \
+                 'UTF8') WHERE request_key = convert_from(decode('{key_hex}', 'hex'), 'UTF8'); \
+                 SELECT coalesce(NULL, 'idem: record gone; not')::integer; COMMIT; BEGIN"
+            ))
+        };
+        assert_eq!(f.decide(1, &Statement::text_query("BEGIN; SET LOCAL x = '1'")), None);
+        assert_eq!(f.decide(1, &message("6b2d32")), None, "another key");
+        let hit = message("6B2D31");
+        assert_eq!(hit.parts().count(), 4, "a quoted `;` splits nothing");
+        assert_eq!(f.decide(1, &hit), Some((commit, Action::LoseReply)));
+        assert_eq!(f.hits(commit), 1);
+    }
+
+    #[test]
     fn kinds_skips_and_times() {
         let mut f = Faults::default();
         let id = f.arm(
@@ -338,49 +397,6 @@ mod tests {
         assert_eq!(f.decide(3, &update), Some((id, Action::Cut)));
         assert_eq!(f.decide(1, &update), None);
         assert_eq!(f.hits(id), 2);
-    }
-
-    /// A completion and its `COMMIT` in one simple query, with the key as hex digits
-    /// (single-node PostgreSQL), and MariaDB's compound statement: the `COMMIT` after the
-    /// marker is found inside the message, and the message is what the fault hits.
-    #[test]
-    fn statements_inside_one_message() {
-        let mut f = Faults::default();
-        let after_update = f.arm(Fault::lose_reply(Trigger::commit_after(
-            Marker::kind("update")
-                .with("idem_request_result")
-                .with("k-1"),
-        )));
-        let on_update = f.arm(Fault::cut(Trigger::on(
-            Marker::kind("update")
-                .with("idem_request_result")
-                .with("k-2"),
-        )));
-        assert_eq!(
-            f.decide(1, &st("BEGIN; SET LOCAL lock_timeout = '5ms'", "")),
-            None
-        );
-        let pg = st(
-            "UPDATE idem_request_result SET response = convert_from(decode('7b7d', 'hex'), \
-             'UTF8') WHERE request_key = convert_from(decode('6B2D31', 'hex'), 'UTF8'); SELECT \
-             coalesce(NULL, 'idem: record gone; not')::integer; COMMIT; BEGIN",
-            "",
-        );
-        assert_eq!(pg.parts().len(), 4);
-        // The key travels as hex digits: the marker finds it in the UPDATE, and the
-        // COMMIT after it, all in one message.
-        assert_eq!(f.decide(1, &pg), Some((after_update, Action::LoseReply)));
-        let maria = st(
-            "BEGIN NOT ATOMIC UPDATE idem_request_result SET status = 0 WHERE request_key = \
-             _utf8mb4 X'6B2D32'; IF ROW_COUNT() <> 1 THEN SIGNAL SQLSTATE '45000' SET \
-             MESSAGE_TEXT = 'idem: gone'; END IF; COMMIT; END",
-            "",
-        );
-        let kinds: Vec<String> = maria.parts().iter().map(|p| p.kind().to_owned()).collect();
-        assert_eq!(kinds, ["UPDATE", "IF", "END", "COMMIT", "END"]);
-        assert!(!maria.parts()[2].is_transaction_boundary(), "END IF");
-        assert_eq!(f.decide(2, &maria), Some((on_update, Action::Cut)));
-        assert_eq!((f.hits(after_update), f.hits(on_update)), (1, 1));
     }
 
     #[test]

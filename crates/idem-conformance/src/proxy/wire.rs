@@ -6,7 +6,10 @@
 //! `COM_STMT_PREPARE` once (the server answers with a statement id), then
 //! `COM_STMT_EXECUTE` by id. A [`Session`] remembers names and ids per connection, so
 //! every execution carries its SQL text, and keeps the bound parameters' bytes beside it
-//! (a key is usually a parameter, not part of the text).
+//! (a key is usually a parameter, not part of the text). A text query (PostgreSQL's
+//! simple `Query`, MySQL's `COM_QUERY`) may carry several statements, or one compound
+//! statement, and its values as hex literals ([`Statement::text_query`]): faults follow
+//! its statements in order.
 //!
 //! Replies are counted per connection so that a fault can wait for "the reply to this
 //! request": PostgreSQL answers every `Sync` and every simple `Query` with one
@@ -39,6 +42,15 @@ pub struct Statement {
     next_word: String,
     text: String,
     params: Vec<u8>,
+    /// The bytes of the text's hex literals (`X'…'`, with or without an introducer):
+    /// values a MySQL text query carries in its text.
+    literals: Vec<Vec<u8>>,
+    /// The statements of a MySQL text query that holds several (`…; …`) or a compound
+    /// statement (`BEGIN NOT ATOMIC … END`), in order; empty for one plain statement.
+    parts: Vec<Statement>,
+    /// A statement inside a compound statement: its `END` closes a block, never a
+    /// transaction.
+    in_compound: bool,
 }
 
 impl fmt::Debug for Statement {
@@ -66,8 +78,8 @@ impl Statement {
                 let kind = words.next().unwrap_or_default();
                 (kind, words.next().unwrap_or_default())
             } else if kind == "BEGIN" && next == "NOT" {
-                // MariaDB's compound statement `BEGIN NOT ATOMIC <statement>; …; END`: it
-                // opens no transaction; its first statement is what runs first.
+                // MariaDB's compound statement `BEGIN NOT ATOMIC <statement>; … END`: its
+                // first statement is what runs first.
                 let mut words = words.skip_while(|w| w != "ATOMIC").skip(1);
                 let kind = words.next().unwrap_or_default();
                 (kind, words.next().unwrap_or_default())
@@ -80,7 +92,48 @@ impl Statement {
             next_word,
             text,
             params,
+            literals: Vec::new(),
+            parts: Vec::new(),
+            in_compound: false,
         }
+    }
+
+    /// A text query: PostgreSQL's simple `Query` or MySQL's `COM_QUERY`. It may hold
+    /// several statements separated by `;` (a simple query may; mysql_async sets
+    /// `CLIENT_MULTI_STATEMENTS`) or be a compound statement (MariaDB's `BEGIN NOT ATOMIC
+    /// … END`): each is then one of its [`Statement::parts`]. Its values may travel in
+    /// its text as hex literals (MySQL `_utf8mb4 X'6B2D31'`, PostgreSQL
+    /// `decode('6b2d31', 'hex')`), whose bytes [`Statement::contains`] searches too.
+    pub fn text_query(text: impl Into<String>) -> Self {
+        let text = text.into();
+        let mut statement = Self::new(text.clone(), Vec::new());
+        statement.literals = hex_literals(&text);
+        let compound = {
+            let mut words = keywords(&text);
+            words.next().as_deref() == Some("BEGIN")
+                && words.next().as_deref() == Some("NOT")
+                && words.next().as_deref() == Some("ATOMIC")
+        };
+        let pieces = split_statements(&text);
+        if pieces.len() > 1 || compound {
+            statement.parts = pieces
+                .into_iter()
+                .map(|piece| {
+                    let mut part = Self::new(piece, Vec::new());
+                    part.literals = hex_literals(piece);
+                    part.in_compound = compound;
+                    part
+                })
+                .collect();
+        }
+        statement
+    }
+
+    /// The statements this message runs, in order: itself, or each statement of a
+    /// multi-statement or compound text query ([`Statement::text_query`]).
+    pub fn parts(&self) -> impl Iterator<Item = &Statement> {
+        let own = self.parts.is_empty().then_some(self);
+        own.into_iter().chain(self.parts.iter())
     }
 
     /// The statement's first keyword, upper case (`COMMIT`, `INSERT`, `SET`); comments
@@ -104,39 +157,20 @@ impl Statement {
         &self.params
     }
 
-    /// Whether `needle` occurs in the text or in the parameter bytes, or in the text as
-    /// hex digits (either case): the form in which idem writes values into a message
-    /// that cannot bind them.
+    /// Whether `needle` occurs in the text or in the parameter bytes.
     pub fn contains(&self, needle: &[u8]) -> bool {
         find(self.text.as_bytes(), needle)
             || find(&self.params, needle)
-            || find_hex(self.text.as_bytes(), needle)
-    }
-
-    /// The statements of this message in order: a simple query (PostgreSQL `Query`,
-    /// MySQL `COM_QUERY`) may hold several, separated by `;` outside quotes and
-    /// comments; anything else is one. Each part keeps the message's parameters.
-    pub fn parts(&self) -> Vec<Statement> {
-        let pieces = split_statements(&self.text);
-        if pieces.len() <= 1 {
-            return vec![self.clone()];
-        }
-        pieces
-            .into_iter()
-            .map(|text| Statement::new(text, self.params.clone()))
-            .collect()
+            || self.literals.iter().any(|l| find(l, needle))
     }
 
     /// Whether this statement starts or ends a transaction (`BEGIN`, `START
-    /// TRANSACTION`, `COMMIT`, `END`, `ROLLBACK` but not `ROLLBACK TO SAVEPOINT`, nor
-    /// the `END IF`/`END LOOP`/… of a MariaDB compound statement).
+    /// TRANSACTION`, `COMMIT`, `END`, `ROLLBACK` but not `ROLLBACK TO SAVEPOINT`; inside
+    /// a compound statement `BEGIN` and `END` delimit blocks, not transactions).
     pub fn is_transaction_boundary(&self) -> bool {
         match self.kind.as_str() {
-            "BEGIN" | "START" | "COMMIT" | "ABORT" => true,
-            "END" => !matches!(
-                self.next_word.as_str(),
-                "IF" | "LOOP" | "WHILE" | "CASE" | "REPEAT" | "FOR"
-            ),
+            "BEGIN" | "END" if self.in_compound => false,
+            "BEGIN" | "START" | "COMMIT" | "END" | "ABORT" => true,
             "ROLLBACK" => self.next_word != "TO",
             _ => false,
         }
@@ -152,59 +186,102 @@ impl Statement {
     }
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> bool {
-    needle.is_empty() || haystack.windows(needle.len()).any(|w| w == needle)
-}
-
-fn find_hex(haystack: &[u8], needle: &[u8]) -> bool {
-    if needle.is_empty() {
-        return false;
-    }
-    let hex: Vec<u8> = needle
-        .iter()
-        .flat_map(|b| format!("{b:02x}").into_bytes())
-        .collect();
-    haystack
-        .windows(hex.len())
-        .any(|w| w.eq_ignore_ascii_case(&hex))
-}
-
-/// `text` cut at each `;` that is outside quotes (`'…'`, `"…"`, `` `…` ``) and
-/// comments; empty pieces are dropped.
+/// The statements of a MySQL text query: split at each `;` outside quotes (`'…'`,
+/// `"…"`, `` `…` ``, with backslash escapes) and comments, trimmed, empty ones left out.
 fn split_statements(text: &str) -> Vec<&str> {
     let b = text.as_bytes();
     let mut pieces = Vec::new();
-    let (mut start, mut i) = (0, 0);
+    let (mut i, mut start) = (0, 0);
     while i < b.len() {
         match b[i] {
             q @ (b'\'' | b'"' | b'`') => {
                 i += 1;
                 while i < b.len() && b[i] != q {
-                    i += 1;
+                    i += if b[i] == b'\\' && q != b'`' { 2 } else { 1 };
                 }
-            }
-            b'-' if b[i..].starts_with(b"--") => {
-                while i < b.len() && b[i] != b'\n' {
-                    i += 1;
-                }
+                i += 1;
             }
             b'/' if b[i..].starts_with(b"/*") => {
                 i = b[i + 2..]
                     .windows(2)
                     .position(|w| w == b"*/")
-                    .map_or(b.len(), |p| i + 2 + p + 1);
+                    .map_or(b.len(), |p| i + 2 + p + 2);
+            }
+            b'#' => {
+                i = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |p| i + p + 1);
+            }
+            b'-' if b[i..].starts_with(b"-- ") => {
+                i = b[i..]
+                    .iter()
+                    .position(|&c| c == b'\n')
+                    .map_or(b.len(), |p| i + p + 1);
             }
             b';' => {
                 pieces.push(&text[start..i]);
-                start = i + 1;
+                i += 1;
+                start = i;
             }
-            _ => {}
+            _ => i += 1,
         }
-        i += 1;
     }
-    pieces.push(&text[start..]);
-    pieces.retain(|p| !p.trim().is_empty());
+    pieces.push(&text[start.min(text.len())..]);
     pieces
+        .into_iter()
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect()
+}
+
+/// The bytes of every hex literal in a text: MySQL's `X'…'` (`x'…'`) and PostgreSQL's
+/// `decode('…', 'hex')`; a literal with an odd number of digits or another character is
+/// left out.
+fn hex_literals(text: &str) -> Vec<Vec<u8>> {
+    const DECODE: &[u8] = b"decode('";
+    let b = text.as_bytes();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i + 1 < b.len() {
+        let mysql = (b[i] == b'X' || b[i] == b'x')
+            && b[i + 1] == b'\''
+            && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'));
+        let postgres = b[i..]
+            .get(..DECODE.len())
+            .is_some_and(|w| w.eq_ignore_ascii_case(DECODE));
+        if !mysql && !postgres {
+            i += 1;
+            continue;
+        }
+        if postgres {
+            // Past `decode(`: the quote is where a MySQL literal's is.
+            i += DECODE.len() - 2;
+        }
+        let digits = &b[i + 2..];
+        let end = digits
+            .iter()
+            .position(|&c| c == b'\'')
+            .unwrap_or(digits.len());
+        let hex = &digits[..end];
+        if hex.len().is_multiple_of(2) && hex.iter().all(u8::is_ascii_hexdigit) {
+            out.push(
+                hex.chunks(2)
+                    .filter_map(|pair| {
+                        std::str::from_utf8(pair)
+                            .ok()
+                            .and_then(|p| u8::from_str_radix(p, 16).ok())
+                    })
+                    .collect(),
+            );
+        }
+        i += 2 + end + 1;
+    }
+    out
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> bool {
+    needle.is_empty() || haystack.windows(needle.len()).any(|w| w == needle)
 }
 
 /// The words of a statement, upper case, skipping comments and anything that is not
@@ -466,9 +543,8 @@ impl Session {
         match bytes[0] {
             b'Q' => {
                 let text = cstr(body).map_or(body, |(t, _)| t);
-                statement = Some(Statement::new(
+                statement = Some(Statement::text_query(
                     String::from_utf8_lossy(text).into_owned(),
-                    Vec::new(),
                 ));
                 self.requests += 1;
             }
@@ -589,9 +665,8 @@ impl Session {
         match command.first() {
             // COM_QUERY
             Some(0x03) => {
-                statement = Some(Statement::new(
+                statement = Some(Statement::text_query(
                     String::from_utf8_lossy(&command[1..]).into_owned(),
-                    Vec::new(),
                 ));
             }
             // COM_STMT_PREPARE
