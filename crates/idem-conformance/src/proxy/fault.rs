@@ -360,7 +360,9 @@ mod tests {
     fn a_postgres_simple_query_is_followed_statement_by_statement() {
         let mut f = Faults::default();
         let commit = f.arm(Fault::lose_reply(Trigger::commit_after(
-            Marker::kind("update").with("idem_request_result").with("k-1"),
+            Marker::kind("update")
+                .with("idem_request_result")
+                .with("k-1"),
         )));
         let message = |key_hex: &str| {
             Statement::text_query(format!(
@@ -369,7 +371,10 @@ mod tests {
                  SELECT coalesce(NULL, 'idem: record gone; not')::integer; COMMIT; BEGIN"
             ))
         };
-        assert_eq!(f.decide(1, &Statement::text_query("BEGIN; SET LOCAL x = '1'")), None);
+        assert_eq!(
+            f.decide(1, &Statement::text_query("BEGIN; SET LOCAL x = '1'")),
+            None
+        );
         assert_eq!(f.decide(1, &message("6b2d32")), None, "another key");
         let hit = message("6B2D31");
         assert_eq!(hit.parts().count(), 4, "a quoted `;` splits nothing");
