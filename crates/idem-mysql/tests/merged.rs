@@ -292,6 +292,7 @@ async fn a_dropped_open_transaction_is_rolled_back_before_the_connection_is_reus
             |tx| {
                 Box::pin(async move {
                     tx.query_drop("INSERT INTO t VALUES (3)").await?;
+                    tx.query_drop("SET @idem_probe = 3").await?;
                     Ok::<_, mysql_async::Error>(3)
                 })
             },
@@ -300,6 +301,13 @@ async fn a_dropped_open_transaction_is_rolled_back_before_the_connection_is_reus
     assert!(matches!(out, Ok(Outcome::Executed(3))), "{out:?}");
     let (_, in_tx, rows) = state(&backend).await;
     assert_eq!((in_tx, rows), (0, 1));
+    // The reset was for the dropped transactions only (mysql_async gives every checkout
+    // its pool's setting back): the next transaction's connection went back to the pool
+    // without one (this pool resets nothing), so what its effect left is still there.
+    let mut conn = backend.pool().get_conn().await.unwrap();
+    let probe: Option<Option<i64>> = conn.query_first("SELECT @idem_probe").await.unwrap();
+    assert_eq!(probe, Some(Some(3)), "no reset after a transaction that ended");
+    drop(conn);
     drop(idem);
     backend.disconnect().await.unwrap();
     db.drop_database().await;
