@@ -306,7 +306,11 @@ async fn a_dropped_open_transaction_is_rolled_back_before_the_connection_is_reus
     // without one (this pool resets nothing), so what its effect left is still there.
     let mut conn = backend.pool().get_conn().await.unwrap();
     let probe: Option<Option<i64>> = conn.query_first("SELECT @idem_probe").await.unwrap();
-    assert_eq!(probe, Some(Some(3)), "no reset after a transaction that ended");
+    assert_eq!(
+        probe,
+        Some(Some(3)),
+        "no reset after a transaction that ended"
+    );
     drop(conn);
     drop(idem);
     backend.disconnect().await.unwrap();

@@ -576,27 +576,36 @@ impl PgBackend {
 
 impl PgBackend {
     /// The completion (or a message's check) and `COMMIT` as one message: one round
-    /// trip. A completion that finds no unfinished, unexpired record fails inside that
-    /// message, before its `COMMIT`, and the transaction is rolled back. A lost reply
-    /// leaves the outcome unknown, exactly as a lost reply to a lone `COMMIT` does.
+    /// trip. A completion whose record is no longer unfinished and unexpired fails inside
+    /// that message (SQLSTATE 23502 on the column it set to `NULL`), before its `COMMIT`,
+    /// and the transaction is rolled back; one that found no row (the effect ended the
+    /// transaction, so the `COMMIT` had nothing of the claim's to commit) is reported from
+    /// the count of rows. A lost reply leaves the outcome unknown, exactly as a lost reply
+    /// to a lone `COMMIT` does.
     async fn complete_and_commit(
         mut tx: PgTx,
         claim: &Claim<'_>,
         response: Option<&str>,
         status: Status,
     ) -> Result<(), DbError> {
-        let message = match claim.id {
-            Identity::Request { scope, key } => sql::complete_request_and_commit(
-                scope.principal.as_str(),
-                scope.operation.as_str(),
-                key.as_str(),
-                response,
-                status.code(),
+        let (message, guard) = match claim.id {
+            Identity::Request { scope, key } => (
+                sql::complete_request_and_commit(
+                    scope.principal.as_str(),
+                    scope.operation.as_str(),
+                    key.as_str(),
+                    response,
+                    status.code(),
+                ),
+                "status",
             ),
             Identity::Message {
                 subscriber,
                 message_id,
-            } => sql::check_message_and_commit(subscriber.as_str(), message_id.as_str()),
+            } => (
+                sql::check_message_and_commit(subscriber.as_str(), message_id.as_str()),
+                "processed_at",
+            ),
         };
         match sqlx::raw_sql(sqlx::AssertSqlSafe(message))
             .execute(&mut *tx)
@@ -604,14 +613,24 @@ impl PgBackend {
         {
             // Committed; the message began an empty transaction, which the ROLLBACK sqlx
             // queues as `tx` drops ends with the ping that returns the connection.
-            Ok(_) => Ok(()),
+            Ok(done) if done.rows_affected() == 1 => Ok(()),
+            Ok(_) => {
+                let _ = tx.rollback().await;
+                Err(not_completed(None))
+            }
             Err(e) => {
+                let expired = e
+                    .as_database_error()
+                    .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+                    .is_some_and(|d| {
+                        d.code() == error_codes::NOT_NULL_VIOLATION && d.column() == Some(guard)
+                    });
                 let e = db_error(e);
                 let _ = tx.rollback().await;
-                Err(match e.message() {
-                    m if m.contains(sql::NOT_COMPLETED_EXPIRED) => not_completed(Some(true)),
-                    m if m.contains(sql::NOT_COMPLETED_GONE) => not_completed(None),
-                    _ => e,
+                Err(if expired {
+                    not_completed(Some(true))
+                } else {
+                    e
                 })
             }
         }

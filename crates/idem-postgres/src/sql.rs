@@ -143,14 +143,6 @@ pub(crate) fn text_literal(value: &str) -> String {
     out
 }
 
-/// What the completion check raises when the record is not what the effect claimed: the
-/// message of the SQLSTATE 22P02 (`invalid_text_representation`) the cast of this word to
-/// an integer gives. `EXPIRED` when the record expired while the effect ran, `GONE` when
-/// it is not there or not unfinished (the effect ended the transaction).
-pub(crate) const NOT_COMPLETED_EXPIRED: &str = "idem: record expired";
-/// See [`NOT_COMPLETED_EXPIRED`].
-pub(crate) const NOT_COMPLETED_GONE: &str = "idem: record gone";
-
 /// Ends a message that completes and commits: after `COMMIT`, a new empty transaction,
 /// so that sqlx (which still counts the transaction it began as open) ends that one with
 /// the `ROLLBACK` it queues when the transaction is dropped, sent together with the ping
@@ -164,12 +156,13 @@ macro_rules! then_commit {
 
 /// The completion of a request and its `COMMIT`, one simple-query message (single-node
 /// PostgreSQL; one round trip where [`COMPLETE_REQUEST`] and `COMMIT` took two). The
-/// values are [`text_literal`]s. The `UPDATE` is [`COMPLETE_REQUEST`]'s: it completes
-/// exactly the unfinished, unexpired placeholder this transaction claimed. The check
-/// after it reads the row back in the same transaction and fails unless the row is now
-/// complete (casting [`NOT_COMPLETED_EXPIRED`] or [`NOT_COMPLETED_GONE`] to an integer,
-/// evaluated only then), so the `COMMIT` after it never runs and the transaction is
-/// rolled back.
+/// values are [`text_literal`]s. The `UPDATE` completes the placeholder this transaction
+/// claimed; when that row is no longer unfinished and unexpired it sets `status` (`NOT
+/// NULL`) to `NULL`, so the statement fails with SQLSTATE 23502 on column `status`, the
+/// `COMMIT` after it never runs, and the transaction is rolled back: one statement, no
+/// separate check. No row at all (the effect ended the transaction itself) updates
+/// nothing: that `COMMIT` then commits nothing of the claim's, and the caller reports it
+/// from the count of rows.
 pub(crate) fn complete_request_and_commit(
     principal: &str,
     operation: &str,
@@ -177,31 +170,26 @@ pub(crate) fn complete_request_and_commit(
     response: Option<&str>,
     status: i16,
 ) -> String {
-    let pk = format!(
-        "principal = {} AND operation = {} AND request_key = {}",
-        text_literal(principal),
-        text_literal(operation),
-        text_literal(key)
-    );
     let response = response.map_or_else(|| "NULL".to_owned(), text_literal);
     format!(
-        "UPDATE idem_request_result SET response = {response}, status = {status} WHERE {pk} \
-         AND response IS NULL AND expires_at > statement_timestamp(); SELECT coalesce((SELECT \
-         CASE WHEN response IS NOT NULL THEN '1' WHEN expires_at <= statement_timestamp() THEN \
-         '{NOT_COMPLETED_EXPIRED}' ELSE '{NOT_COMPLETED_GONE}' END FROM idem_request_result \
-         WHERE {pk}), '{NOT_COMPLETED_GONE}')::integer{}",
+        "UPDATE idem_request_result SET response = {response}, status = CASE WHEN response IS \
+         NULL AND expires_at > statement_timestamp() THEN {status} END WHERE principal = {} AND \
+         operation = {} AND request_key = {}{}",
+        text_literal(principal),
+        text_literal(operation),
+        text_literal(key),
         then_commit!()
     )
 }
 
 /// A message's check before its `COMMIT` ([`EXPIRED_MESSAGE`]) and the `COMMIT`, one
 /// simple-query message (single-node PostgreSQL), failing like
-/// [`complete_request_and_commit`] when the claimed row expired or is gone.
+/// [`complete_request_and_commit`] when the claimed row expired (`processed_at`, `NOT
+/// NULL`, set to `NULL`: SQLSTATE 23502) and updating no row when it is gone.
 pub(crate) fn check_message_and_commit(subscriber: &str, message_id: &str) -> String {
     format!(
-        "SELECT coalesce((SELECT CASE WHEN expires_at > statement_timestamp() THEN '1' ELSE \
-         '{NOT_COMPLETED_EXPIRED}' END FROM idem_processed_message WHERE subscriber = {} AND \
-         message_id = {}), '{NOT_COMPLETED_GONE}')::integer{}",
+        "UPDATE idem_processed_message SET processed_at = CASE WHEN expires_at > \
+         statement_timestamp() THEN processed_at END WHERE subscriber = {} AND message_id = {}{}",
         text_literal(subscriber),
         text_literal(message_id),
         then_commit!()
@@ -609,11 +597,11 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     (
         "complete_request_and_commit",
         // A key with a quote, a response with a backslash and non-ASCII text.
-        r#"UPDATE idem_request_result SET response = convert_from(decode('7b2262223a225c5c20c3a9227d', 'hex'), 'UTF8'), status = 0 WHERE principal = convert_from(decode('616c696365', 'hex'), 'UTF8') AND operation = convert_from(decode('64656269743a7631', 'hex'), 'UTF8') AND request_key = convert_from(decode('6b27', 'hex'), 'UTF8') AND response IS NULL AND expires_at > statement_timestamp(); SELECT coalesce((SELECT CASE WHEN response IS NOT NULL THEN '1' WHEN expires_at <= statement_timestamp() THEN 'idem: record expired' ELSE 'idem: record gone' END FROM idem_request_result WHERE principal = convert_from(decode('616c696365', 'hex'), 'UTF8') AND operation = convert_from(decode('64656269743a7631', 'hex'), 'UTF8') AND request_key = convert_from(decode('6b27', 'hex'), 'UTF8')), 'idem: record gone')::integer; COMMIT; BEGIN"#,
+        r#"UPDATE idem_request_result SET response = convert_from(decode('7b2262223a225c5c20c3a9227d', 'hex'), 'UTF8'), status = CASE WHEN response IS NULL AND expires_at > statement_timestamp() THEN 0 END WHERE principal = convert_from(decode('616c696365', 'hex'), 'UTF8') AND operation = convert_from(decode('64656269743a7631', 'hex'), 'UTF8') AND request_key = convert_from(decode('6b27', 'hex'), 'UTF8'); COMMIT; BEGIN"#,
     ),
     (
         "check_message_and_commit",
-        r#"SELECT coalesce((SELECT CASE WHEN expires_at > statement_timestamp() THEN '1' ELSE 'idem: record expired' END FROM idem_processed_message WHERE subscriber = convert_from(decode('6c6564676572', 'hex'), 'UTF8') AND message_id = convert_from(decode('6d2d31', 'hex'), 'UTF8')), 'idem: record gone')::integer; COMMIT; BEGIN"#,
+        r#"UPDATE idem_processed_message SET processed_at = CASE WHEN expires_at > statement_timestamp() THEN processed_at END WHERE subscriber = convert_from(decode('6c6564676572', 'hex'), 'UTF8') AND message_id = convert_from(decode('6d2d31', 'hex'), 'UTF8'); COMMIT; BEGIN"#,
     ),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
