@@ -25,9 +25,11 @@ pub const ER_LOCK_NOWAIT: u16 = 3572;
 /// `ER_SP_DOES_NOT_EXIST`: a savepoint (or routine) does not exist; for idem, the
 /// transaction that claimed a message is no longer open.
 pub const ER_SP_DOES_NOT_EXIST: u16 = 1305;
-/// `ER_SIGNAL_EXCEPTION`: a `SIGNAL SQLSTATE '45000'` without its own number. idem's
-/// merged completion on MariaDB signals it with one of its own fixed messages
-/// (never localized); the backend maps those to its usual errors.
+/// `ER_BAD_NULL_ERROR`: `NULL` into a `NOT NULL` column (strict mode). A merged MariaDB
+/// completion raises it on purpose when its guard fails, to stop its `COMMIT`.
+pub const ER_BAD_NULL_ERROR: u16 = 1048;
+/// `ER_SIGNAL_EXCEPTION`: a `SIGNAL SQLSTATE '45000'` without its own number (a stored
+/// program's or trigger's).
 pub const ER_SIGNAL_EXCEPTION: u16 = 1644;
 /// `ER_NET_PACKET_TOO_LARGE`: a packet (a request or response sent as a parameter) is
 /// larger than the server's `max_allowed_packet`. An input error: not retried.

@@ -48,13 +48,18 @@
 //!   stops at the first error). A 1062 or 1205 fails only the `INSERT`: the transaction
 //!   stays open for the claim's re-read, or is rolled back. A message claim's savepoint
 //!   travels in the same message.
-//! - **The completion, its checks and `COMMIT` travel as one compound statement**,
-//!   `BEGIN NOT ATOMIC … COMMIT; END`: it signals (SQLSTATE 45000) instead of committing
-//!   when the server is no longer inside idem's transaction, when the completion found
-//!   no unfinished, unexpired record, or when a message's savepoint is gone; a signal
-//!   leaves the transaction open, idem rolls it back and returns the same errors as the
-//!   separate checks. A lost reply of this message is an unknown outcome, like a lost
-//!   `COMMIT` reply.
+//! - **The completion and `COMMIT` travel in one text message**, `SET STATEMENT
+//!   sql_mode = 'STRICT_ALL_TABLES' FOR UPDATE … SET status = IF(<guard>, N, NULL), …;
+//!   COMMIT`. The guard holds while the server is still inside idem's transaction
+//!   (`@@in_transaction`) and the row is the unfinished, unexpired placeholder; when it
+//!   does not, `status` (`NOT NULL`) becomes `NULL` and the `UPDATE` fails (error 1048),
+//!   so the `COMMIT` after it never runs. A message's completion releases the claim's
+//!   savepoint (error 1305 when it is gone) and guards `processed_at` the same way. On
+//!   that failure one more read tells the errors of the separate checks apart ("expired",
+//!   "transaction lost") and idem rolls back. A lost reply of this message is an unknown
+//!   outcome, like a lost `COMMIT` reply. (A first version sent a `BEGIN NOT ATOMIC`
+//!   compound statement; the server compiles one per call, which cost more than the
+//!   round trip it saved.)
 //!
 //! A text message cannot bind values, so every user value in these messages is a hex
 //! literal with a charset introducer (`_utf8mb4 X'…'` for the `utf8mb4_bin` text
@@ -902,53 +907,66 @@ fn expired_during_effect() -> DbError {
     )
 }
 
-/// MariaDB: the completion, its checks and `COMMIT` in one compound statement
-/// ([`sql::complete_and_commit_request`], [`sql::complete_and_commit_message`]); its
-/// `SIGNAL`s become the same errors as the separate statements' checks.
+/// MariaDB: the completion (guarded) and `COMMIT` in one message
+/// ([`sql::complete_and_commit_request`], [`sql::complete_and_commit_message`]). A guard
+/// that fails (error 1048) stops the message before its `COMMIT`: one more read on that
+/// path tells the same errors apart as the separate statements did ("expired",
+/// "transaction lost"), then idem rolls back. A request whose placeholder was gone
+/// (its transaction ended and took it) changed no row: the `COMMIT` had nothing of the
+/// claim's to commit, and that is reported from the `UPDATE`'s count.
 async fn complete_and_commit(
-    tx: MysqlTx,
+    mut tx: MysqlTx,
     target: &Target<'_>,
     response: Option<&str>,
     status: Status,
 ) -> Result<(), DbError> {
     let key = target.key_literals();
-    let Some(expired) = sql::inline(target.expired, &key) else {
-        return Err(abort(tx, unbuildable("completion")).await);
-    };
     let message = if target.is_request {
         let mut values = vec![
-            response.map_or(sql::Lit::Null, sql::Lit::Text),
             sql::Lit::Int(i64::from(status.code())),
+            response.map_or(sql::Lit::Null, sql::Lit::Text),
         ];
-        values.extend(key);
-        let Some(complete) = sql::inline(sql::COMPLETE_REQUEST, &values) else {
-            return Err(abort(tx, unbuildable("completion")).await);
-        };
-        sql::complete_and_commit_request(&complete, &expired)
+        values.extend(key.iter().copied());
+        sql::inline(sql::COMPLETE_REQUEST_GUARDED, &values)
+            .map(|c| sql::complete_and_commit_request(&c))
     } else {
-        sql::complete_and_commit_message(&expired)
+        sql::inline(sql::CHECK_MESSAGE_GUARDED, &key).map(|c| sql::complete_and_commit_message(&c))
     };
-    // On an error `end_with` has rolled back (or left the connection to be reset).
-    tx.end_with(&message).await.map_err(|e| {
-        match error_codes::server_code(&e) {
-            Some(error_codes::ER_SIGNAL_EXCEPTION) => {
-                let text = match &e {
-                    mysql_async::Error::Server(server) => server.message.as_str(),
-                    _ => "",
-                };
-                if text == sql::SIGNAL_EXPIRED {
-                    expired_during_effect()
-                } else if text == sql::SIGNAL_LOST {
-                    lost_transaction()
-                } else {
-                    db_error(e)
-                }
+    let (Some(message), Some(expired)) = (message, sql::inline(target.expired, &key)) else {
+        return Err(abort(tx, unbuildable("completion")).await);
+    };
+    let sent = async {
+        let result = tx.conn.query_iter(message.as_str()).await?;
+        // The first result is the completing `UPDATE`'s (or the message's `RELEASE`).
+        let changed = result.affected_rows();
+        result.drop_result().await?;
+        Ok::<_, mysql_async::Error>(changed)
+    }
+    .await;
+    match sent {
+        Ok(changed) => {
+            tx.open = false;
+            if target.is_request && changed != 1 {
+                return Err(lost_transaction());
             }
-            // The claim's savepoint is gone: so is the claiming transaction.
-            Some(error_codes::ER_SP_DOES_NOT_EXIST) => lost_transaction(),
-            _ => db_error(e),
+            Ok(())
         }
-    })
+        Err(e) if error_codes::server_code(&e) == Some(error_codes::ER_BAD_NULL_ERROR) => {
+            let why: Result<Option<(i64, Option<i64>)>, _> =
+                tx.conn.query_first(sql::why_not_completed(&expired)).await;
+            let error = match why {
+                Ok(Some((1, Some(1)))) => expired_during_effect(),
+                Ok(_) => lost_transaction(),
+                Err(e) => db_error(e),
+            };
+            Err(abort(tx, error).await)
+        }
+        // The claim's savepoint is gone: so is the claiming transaction.
+        Err(e) if error_codes::server_code(&e) == Some(error_codes::ER_SP_DOES_NOT_EXIST) => {
+            Err(abort(tx, lost_transaction()).await)
+        }
+        Err(e) => Err(abort(tx, db_error(e)).await),
+    }
 }
 
 /// Room kept in a packet for everything but the payload (command, keys, lengths).

@@ -115,58 +115,65 @@ pub(crate) const COMMIT: &str = "COMMIT";
 /// Ends idem's transaction without its writes.
 pub(crate) const ROLLBACK: &str = "ROLLBACK";
 
-/// The message of the `SIGNAL` a merged completion raises when idem's transaction is
-/// no longer the open one (see [`completion`]).
-pub(crate) const SIGNAL_LOST: &str = "idem: the transaction ended inside the effect";
-/// The message of the `SIGNAL` a merged completion raises when the record expired while
-/// the effect ran (see [`completion`]).
-pub(crate) const SIGNAL_EXPIRED: &str = "idem: the record expired before the effect finished";
-
-/// MariaDB: a request's completion and `COMMIT` in one round trip, as one compound
-/// statement (`BEGIN NOT ATOMIC … END`, MariaDB 10.1.1+). In order:
-///
-/// 1. `@@in_transaction = 0` (the effect ended idem's transaction: a swallowed
-///    deadlock, its own `COMMIT`, `ROLLBACK` or DDL) signals [`SIGNAL_LOST`] *before*
-///    anything is written, so nothing is completed in autocommit;
-/// 2. `complete`, the [`inline`]d [`COMPLETE_REQUEST`], must change exactly one row
-///    (the unfinished, unexpired placeholder); if it did not, `expired`, the
-///    [`inline`]d [`EXPIRED_REQUEST`], tells why: 1 signals [`SIGNAL_EXPIRED`] (a waiting
-///    loser would take a committed record over and run the effect again), anything else
-///    (0, no row) [`SIGNAL_LOST`];
-/// 3. `COMMIT`.
-///
-/// A `SIGNAL` (SQLSTATE 45000, error 1644) ends the compound statement before `COMMIT`
-/// and, like any statement error, leaves the transaction open: the backend rolls it
-/// back and returns the same error as the separate statements did. A lost reply is an
-/// unknown outcome exactly like a lost `COMMIT` reply.
-pub(crate) fn complete_and_commit_request(complete: &str, expired: &str) -> String {
-    format!(
-        "BEGIN NOT ATOMIC IF @@in_transaction = 0 THEN {lost}; END IF; {complete}; \
-         IF ROW_COUNT() <> 1 THEN IF ({expired}) THEN {gone}; END IF; {lost}; END IF; \
-         COMMIT; END",
-        lost = signal(SIGNAL_LOST),
-        gone = signal(SIGNAL_EXPIRED),
-    )
+/// The guard of a merged completion: `SET STATEMENT sql_mode = 'STRICT_ALL_TABLES' FOR`
+/// before its `UPDATE`, so that setting a `NOT NULL` column to `NULL` fails the statement
+/// (error 1048) whatever the session's `sql_mode` (without strict mode the server would
+/// store the column's implicit default and only warn). The statement parses the same
+/// under every mode (no quotes but `'`, no backslashes).
+macro_rules! strict {
+    () => {
+        "SET STATEMENT sql_mode = 'STRICT_ALL_TABLES' FOR "
+    };
 }
 
-/// MariaDB: a message's completion and `COMMIT` in one round trip (see
-/// [`complete_and_commit_request`]): [`SIGNAL_LOST`] when idem's transaction is no longer
-/// open; `expired`, the [`inline`]d [`EXPIRED_MESSAGE`]: 1 signals [`SIGNAL_EXPIRED`], 0
-/// goes on, no row signals [`SIGNAL_LOST`]; then [`RELEASE_CLAIMED`] (error 1305 when
-/// the claim's savepoint, so the claiming transaction, is gone) and `COMMIT`.
-pub(crate) fn complete_and_commit_message(expired: &str) -> String {
-    format!(
-        "BEGIN NOT ATOMIC IF @@in_transaction = 0 THEN {lost}; END IF; \
-         CASE ({expired}) WHEN 1 THEN {gone}; WHEN 0 THEN DO 0; ELSE {lost}; END CASE; \
-         {RELEASE_CLAIMED}; COMMIT; END",
-        lost = signal(SIGNAL_LOST),
-        gone = signal(SIGNAL_EXPIRED),
-    )
+/// MariaDB: a request's completion, guarded, with its values [`inline`]d; followed by
+/// `; COMMIT` in one message ([`complete_and_commit`]). `status` is assigned first (a
+/// MariaDB `UPDATE` assigns left to right, so the guard reads the old `response`): it
+/// becomes `NULL`, and the statement fails with error 1048 before the `COMMIT` runs,
+/// unless idem's transaction is still open (`@@in_transaction`: the effect may have
+/// ended it: a swallowed deadlock, its own `COMMIT`, `ROLLBACK` or DDL) and the row is
+/// the unfinished, unexpired placeholder. Params: status, response, principal,
+/// operation, key.
+pub(crate) const COMPLETE_REQUEST_GUARDED: &str = concat!(
+    strict!(),
+    "UPDATE idem_request_result SET status = IF(@@in_transaction = 1 AND response IS NULL AND \
+     expires_at > UTC_TIMESTAMP(6), ?, NULL), response = ? WHERE ",
+    request_pk!()
+);
+
+/// MariaDB: a message's check before its `COMMIT`, guarded like
+/// [`COMPLETE_REQUEST_GUARDED`]: `processed_at` (`NOT NULL`) keeps its value while the
+/// record is live and becomes `NULL` (error 1048) once it expired. Params: subscriber,
+/// message ID.
+pub(crate) const CHECK_MESSAGE_GUARDED: &str = concat!(
+    strict!(),
+    "UPDATE idem_processed_message SET processed_at = IF(expires_at > UTC_TIMESTAMP(6), \
+     processed_at, NULL) WHERE ",
+    message_pk!()
+);
+
+/// After a merged completion failed with error 1048: whether idem's transaction is
+/// still open, and whether the record expired (`NULL`: no row). Params: the key's.
+pub(crate) fn why_not_completed(expired: &str) -> String {
+    format!("SELECT @@in_transaction, ({expired})")
 }
 
-/// `SIGNAL SQLSTATE '45000'` with one of this module's fixed messages (never user text).
-fn signal(message: &str) -> String {
-    format!("SIGNAL SQLSTATE '45000' SET MESSAGE_TEXT = '{message}'")
+/// MariaDB: a request's completion and `COMMIT` in one round trip: the [`inline`]d
+/// [`COMPLETE_REQUEST_GUARDED`], then `COMMIT`. The server runs a multi-statement
+/// message in order and stops at the first error, so a guard that fails (1048) leaves
+/// the transaction open for idem to roll back; one that finds no row at all (the
+/// transaction ended and took the placeholder with it) changes no row, and the backend
+/// reports that from the `UPDATE`'s count. A lost reply is an unknown outcome exactly
+/// like a lost `COMMIT` reply.
+pub(crate) fn complete_and_commit_request(complete: &str) -> String {
+    format!("{complete}; COMMIT")
+}
+
+/// MariaDB: a message's completion and `COMMIT` in one round trip: [`RELEASE_CLAIMED`]
+/// (error 1305 when the claim's savepoint, so the claiming transaction, is gone), the
+/// [`inline`]d [`CHECK_MESSAGE_GUARDED`] (1048 when the record expired), `COMMIT`.
+pub(crate) fn complete_and_commit_message(check: &str) -> String {
+    format!("{RELEASE_CLAIMED}; {check}; COMMIT")
 }
 
 /// A value [`inline`]d into a statement's text.
@@ -743,15 +750,18 @@ mod tests {
         );
         assert_eq!(inline("SELECT ?", &[]), None);
         assert_eq!(inline("SELECT 1", &[Lit::Int(1)]), None);
-        // Every statement the merged messages inline has placeholders only.
+        // Every statement the merged messages inline has placeholders only (and the
+        // guards' fixed `sql_mode`, which holds no `?`).
         for statement in [
             super::INSERT_REQUEST,
             super::INSERT_MESSAGE,
-            super::COMPLETE_REQUEST,
+            super::COMPLETE_REQUEST_GUARDED,
+            super::CHECK_MESSAGE_GUARDED,
             super::EXPIRED_REQUEST,
             super::EXPIRED_MESSAGE,
         ] {
-            assert!(!statement.contains('\''), "{statement}");
+            let rest = statement.replace("'STRICT_ALL_TABLES'", "");
+            assert!(!rest.contains('\''), "{statement}");
         }
     }
 
@@ -791,18 +801,17 @@ mod tests {
         );
         let complete_request = super::complete_and_commit_request(
             &inline(
-                super::COMPLETE_REQUEST,
+                super::COMPLETE_REQUEST_GUARDED,
                 &with(
-                    &[Lit::Text("{\"ok\":true}"), Lit::Int(0)],
+                    &[Lit::Int(0), Lit::Text("{\"ok\":true}")],
                     &request_key,
                     &[],
                 ),
             )
             .expect("completion"),
-            &inline(super::EXPIRED_REQUEST, &request_key).expect("expired"),
         );
         let complete_message = super::complete_and_commit_message(
-            &inline(super::EXPIRED_MESSAGE, &message_key).expect("expired"),
+            &inline(super::CHECK_MESSAGE_GUARDED, &message_key).expect("check"),
         );
         let text = [
             ("claim_request", claim_request),
@@ -819,19 +828,19 @@ mod tests {
 
     #[test]
     fn merged_completions_check_before_they_commit() {
-        let request = super::complete_and_commit_request("UPDATE x", "SELECT 1");
-        let (before, after) = request.split_once("UPDATE x").expect("the completion");
-        assert!(before.contains("@@in_transaction = 0"), "{request}");
-        assert!(after.contains("ROW_COUNT() <> 1"), "{request}");
-        assert!(after.contains(super::SIGNAL_EXPIRED) && after.contains(super::SIGNAL_LOST));
-        assert!(request.ends_with("COMMIT; END"), "{request}");
-        let message = super::complete_and_commit_message("SELECT 1");
+        let request = super::complete_and_commit_request(super::COMPLETE_REQUEST_GUARDED);
+        assert!(request.starts_with("SET STATEMENT sql_mode = 'STRICT_ALL_TABLES' FOR UPDATE"));
+        // The guard is assigned before `response`: it reads the old value.
+        let guard = request.find("status = IF(@@in_transaction = 1 AND response IS NULL");
+        assert!(guard.is_some_and(|g| request.find("response = ?").is_some_and(|r| g < r)));
+        assert!(request.ends_with("; COMMIT"), "{request}");
+        let message = super::complete_and_commit_message(super::CHECK_MESSAGE_GUARDED);
         let release = message.find(super::RELEASE_CLAIMED).expect("the release");
-        assert!(message.find("CASE (SELECT 1)").is_some_and(|i| i < release));
-        assert!(message.ends_with("COMMIT; END"), "{message}");
-        for signal in [super::SIGNAL_LOST, super::SIGNAL_EXPIRED] {
-            assert!(signal.starts_with("idem: ") && !signal.contains('\''));
-        }
+        let check = message.find("processed_at = IF(").expect("the check");
+        assert!(
+            release < check && message.ends_with("; COMMIT"),
+            "{message}"
+        );
     }
 
     #[test]
