@@ -705,6 +705,21 @@ struct Server {
     max_packet: u64,
     /// MariaDB (`@@version` says so): claims bound each statement with `SET STATEMENT`.
     mariadb: bool,
+    /// A MariaDB Galera node (`@@global.wsrep_on`): `START TRANSACTION` and `COMMIT`
+    /// travel alone, not in the merged messages. On Galera a replicated write set can
+    /// abort a local transaction between two statements of one text message (a
+    /// "brute-force abort"), and the cluster test then saw a merged completion answer
+    /// `Executed` for a transaction the cluster had rolled back; with `COMMIT` alone the
+    /// abort is that statement's error 1213, which idem retries.
+    galera: bool,
+}
+
+impl Server {
+    /// Whether the claim and the completion travel with `START TRANSACTION` and
+    /// `COMMIT` (MariaDB, not Galera).
+    fn merged(self) -> bool {
+        self.mariadb && !self.galera
+    }
 }
 
 /// The claim's `innodb_lock_wait_timeout`: whole seconds, rounded up, at least 1 (the
@@ -751,10 +766,24 @@ impl ClaimSteps for MysqlBackend {
     type Won = MysqlTx;
 
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<MysqlOpen>, DbError> {
-        let mariadb = self.server().await?.mariadb;
+        let server = self.server().await?;
+        let mariadb = server.mariadb;
         self.check_packet("request", claim.request, mariadb).await?;
         let mut tx = MysqlTx::new(self.conn().await?);
         let secs = lock_wait_secs(claim.wait);
+        if mariadb && server.galera {
+            // Galera: START TRANSACTION alone; the claim's statements still carry their
+            // bound.
+            if let Err(e) = tx.start(sql::START_TRANSACTION).await {
+                return Err(abort(tx, db_error(e)).await);
+            }
+            return Ok(Begun::Open(MysqlOpen {
+                tx,
+                bound: format!("{}{secs} FOR ", sql::SET_STATEMENT_LOCK_WAIT),
+                start_pending: false,
+                savepoint_set: false,
+            }));
+        }
         if mariadb {
             // Nothing sent yet: START TRANSACTION goes with the INSERT.
             return Ok(Begun::Open(MysqlOpen {
@@ -988,9 +1017,14 @@ impl MysqlBackend {
                     .await
                     .map_err(db_error)?;
                 let (max, version) = row.unwrap_or((None, String::new()));
+                let mariadb = version.contains("MariaDB");
+                // A server built without Galera support has no such variable: not Galera.
+                let galera = mariadb
+                    && matches!(conn.query_first::<i64, _>(sql::WSREP_ON).await, Ok(Some(1)));
                 Ok(Server {
                     max_packet: max.unwrap_or(u64::MAX),
-                    mariadb: version.contains("MariaDB"),
+                    mariadb,
+                    galera,
                 })
             })
             .await
@@ -1062,10 +1096,19 @@ impl Backend for MysqlBackend {
                 .map_err(db_error)?;
             target.lookup
         };
-        let row: Option<Row> = conn
-            .exec_first(lookup, target.params(vec![], vec![]))
-            .await
-            .map_err(db_error)?;
+        let row: Option<Row> = match conn.exec_first(lookup, target.params(vec![], vec![])).await {
+            Ok(row) => row,
+            // On Galera a replicated write set that needs the row aborts the locking
+            // read (1213, a "brute-force abort"); like a row `SKIP LOCKED` skipped, that
+            // is no replay from the fast path: the claim decides, with its retries.
+            Err(e)
+                if mariadb
+                    && error_codes::server_code(&e) == Some(error_codes::ER_LOCK_DEADLOCK) =>
+            {
+                None
+            }
+            Err(e) => return Err(db_error(e)),
+        };
         drop(conn);
         row.map(|row| target.read(row, false).map(|(stored, _)| stored))
             .transpose()
@@ -1080,15 +1123,18 @@ impl Backend for MysqlBackend {
             Finish::Rollback => return tx.rollback().await,
             Finish::Commit { response, status } => (response, status),
         };
-        let mariadb = match self.server().await {
-            Ok(server) => server.mariadb,
+        let server = match self.server().await {
+            Ok(server) => server,
             Err(e) => return Err(abort(tx, e).await),
         };
-        if let Err(e) = self.check_packet("response", response, mariadb).await {
+        if let Err(e) = self
+            .check_packet("response", response, server.merged())
+            .await
+        {
             return Err(abort(tx, e).await);
         }
         let target = Target::of(claim);
-        if mariadb {
+        if server.merged() {
             return complete_and_commit(tx, &target, response, status).await;
         }
         let mut tx = tx;
@@ -1368,6 +1414,7 @@ mod tests {
         let backend = MysqlBackend {
             server: Arc::new(OnceCell::new_with(Some(Server {
                 mariadb: false,
+                galera: false,
                 ..real
             }))),
             ..backend

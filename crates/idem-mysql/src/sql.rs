@@ -296,6 +296,9 @@ pub(crate) const SET_STATEMENT_LOCK_WAIT: &str = "SET STATEMENT innodb_lock_wait
 /// The server's `max_allowed_packet`, named in the error for a payload above it, and
 /// its version (MariaDB's says so).
 pub(crate) const MAX_ALLOWED_PACKET: &str = "SELECT @@max_allowed_packet, @@version";
+/// Whether this MariaDB server is a Galera node (an error on a server built without
+/// Galera support, which is not one).
+pub(crate) const WSREP_ON: &str = "SELECT @@global.wsrep_on";
 
 /// Set when a message claim wins: a message record has no placeholder to complete, so
 /// this savepoint is what proves at commit time that the claiming transaction is still
@@ -560,6 +563,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("set_lock_wait", SET_LOCK_WAIT),
     ("restore_lock_wait", RESTORE_LOCK_WAIT),
     ("max_allowed_packet", MAX_ALLOWED_PACKET),
+    ("wsrep_on", WSREP_ON),
     ("set_statement_lock_wait", SET_STATEMENT_LOCK_WAIT),
     ("start_transaction", START_TRANSACTION),
     ("start_transaction_then", START_TRANSACTION_THEN),
