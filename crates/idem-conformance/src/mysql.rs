@@ -156,7 +156,7 @@ impl Bank for MysqlBank {
     }
 
     const DOCUMENTED: Capabilities = Capabilities {
-        claim: "plain `INSERT` classified by error 1062 and bounded by `SET STATEMENT innodb_lock_wait_timeout = N FOR` (MariaDB, sent in one message with `START TRANSACTION`, values as hex literals; MySQL 8 saves and restores the session's value), then a locking re-read (`LOCK IN SHARE MODE`, REPEATABLE READ); placeholder completed before `COMMIT` (MariaDB: the completion, guarded, and `COMMIT` in one message: a failed guard sets `NOT NULL` `status` to `NULL`, error 1048, and stops the `COMMIT`); a replay reads with `LOCK IN SHARE MODE SKIP LOCKED`",
+        claim: "plain `INSERT` classified by error 1062 and bounded by `SET STATEMENT innodb_lock_wait_timeout = N FOR` (MariaDB; on a single MariaDB server sent in one message with `START TRANSACTION`, values as hex literals, not on Galera; MySQL 8 saves and restores the session's value), then a locking re-read (`LOCK IN SHARE MODE`, REPEATABLE READ); placeholder completed before `COMMIT` (single MariaDB server: the completion, guarded, and `COMMIT` in one message: a failed guard sets `NOT NULL` `status` to `NULL`, error 1048, and stops the `COMMIT`; Galera sends `COMMIT` alone); a replay reads with `LOCK IN SHARE MODE SKIP LOCKED`",
         key_columns: "`VARBINARY(255)` (byte equality; `utf8mb4_bin` would pad spaces)",
         json_storage: "`LONGTEXT` `utf8mb4_bin`, stored verbatim (compared as canonical text)",
         retried: "1213 deadlock, 1205 lock wait timeout (3572 NOWAIT on MySQL); a claim's 1205 after `innodb_lock_wait_timeout` = the wait bound answers InProgress instead",

@@ -106,7 +106,7 @@ impl Bank for PgBank {
     }
 
     const DOCUMENTED: Capabilities = Capabilities {
-        claim: "`BEGIN` and the wait bound (`SET LOCAL lock_timeout`) in one message, then `INSERT … VALUES … ON CONFLICT DO NOTHING` whose `RETURNING` gives the effect the session's `lock_timeout` back; a conflict re-read by a separate `SELECT` (READ COMMITTED); placeholder completed in the same message as `COMMIT` (with a check that stops the `COMMIT`; values as hex-digit literals); on Citus the bound and its restore are `SET LOCAL` messages of their own and the completion goes before a separate `COMMIT`",
+        claim: "`BEGIN` and the wait bound (`SET LOCAL lock_timeout`) in one message, then `INSERT … VALUES … ON CONFLICT DO NOTHING` whose `RETURNING` gives the effect the session's `lock_timeout` back; a conflict re-read by a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT` (on Citus the bound and its restore are `SET LOCAL` messages of their own)",
         key_columns: "`text COLLATE \"C\"` (byte order and equality)",
         json_storage: "`text`, kept verbatim (not `jsonb`, which rewrites numbers and refuses `\\u0000`)",
         retried: "40001 serialization failure, 40P01 deadlock; a claim's 55P03 after `lock_timeout` = the wait bound answers InProgress instead",

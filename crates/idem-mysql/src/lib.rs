@@ -39,8 +39,10 @@
 //!
 //! # Merged messages on MariaDB
 //!
-//! On MariaDB (MySQL 8 and TiDB keep separate statements) a new request costs two round
-//! trips more than its bare effect, one without the replay read:
+//! On a single MariaDB server (MySQL 8, TiDB and MariaDB Galera nodes keep separate
+//! statements: on Galera a replicated write set can abort a transaction between two
+//! statements of one message, see `Server::galera`) a new request costs one round trip
+//! more than its bare effect, none without the replay read:
 //!
 //! - **`START TRANSACTION` and the claim travel in one text message**,
 //!   `START TRANSACTION; SET STATEMENT innodb_lock_wait_timeout = N FOR INSERT …`

@@ -846,13 +846,6 @@ mod tests {
         "replace_expired_message_restore",
     ];
 
-    /// Single-node PostgreSQL only, by design: the completion and `COMMIT` in one
-    /// message, whose guard (a `CASE` on the database clock in the `SET` of the `UPDATE`)
-    /// Citus would refuse (rule 3). The backend sends them only when it found no Citus
-    /// (`commits_with_completion`); on Citus the completion goes alone, then `COMMIT`.
-    const SINGLE_NODE_MERGED: &[&str] =
-        &["complete_request_and_commit", "check_message_and_commit"];
-
     /// The purges of `PurgeStyle::SkipLocked` on the distributed tables: Citus refuses
     /// their row locks by design (SQLSTATE 0A000), and the backend then sends the
     /// `PurgeStyle::Distributed` statements instead.
@@ -875,7 +868,6 @@ mod tests {
             if REFUSED_BY_DESIGN.contains(&name)
                 || NOT_FIXED_YET.contains(&name)
                 || SINGLE_NODE_ONLY.contains(&name)
-                || SINGLE_NODE_MERGED.contains(&name)
             {
                 let found = violations(sql);
                 assert!(!found.is_empty(), "{name} passes now: take it off its list");

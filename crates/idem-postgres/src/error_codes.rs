@@ -7,9 +7,6 @@ use idem_core::{DbError, ErrorKind};
 /// modification); a [`crate::PurgeStyle::SkipLocked`] purge then retries without row
 /// locks.
 pub const FEATURE_NOT_SUPPORTED: &str = "0A000";
-/// `not_null_violation`: also what a merged completion raises when its record expired
-/// while the effect ran (it sets a `NOT NULL` column to `NULL` to stop its `COMMIT`).
-pub const NOT_NULL_VIOLATION: &str = "23502";
 /// `unique_violation`.
 pub const UNIQUE_VIOLATION: &str = "23505";
 /// `serialization_failure`: the loser under REPEATABLE READ / SERIALIZABLE.

@@ -7,17 +7,6 @@
 //! placeholder (response `NULL`) exists only inside its transaction; it is completed
 //! with the response just before `COMMIT`.
 //!
-//! On a single node (not Citus, not CockroachDB or YugabyteDB) that completion and the
-//! `COMMIT` travel as **one** simple-query message, one round trip: the completing
-//! `UPDATE`, a check that fails (before the `COMMIT` runs) unless the row is now
-//! complete, `COMMIT`, and an empty `BEGIN` that the `ROLLBACK` sqlx queues for the
-//! transaction it still counts ends together with the ping that returns the connection.
-//! A simple query cannot bind values, so the key, scope and response go in as literals
-//! of hex digits only (`convert_from(decode('6b6579', 'hex'), 'UTF8')`): nothing a
-//! client sends can end a literal or change the statement. A lost reply to that message
-//! leaves the outcome unknown exactly as a lost reply to a lone `COMMIT` does (the
-//! network-fault suite checks both).
-//!
 //! Under REPEATABLE READ or SERIALIZABLE the waiting loser gets SQLSTATE 40001 instead;
 //! idem retries the whole transaction with the same key (40001 and 40P01, bounded,
 //! jittered). CockroachDB and YugabyteDB speak this protocol and are serializable by
@@ -274,13 +263,10 @@ fn lock_timeout_ms(wait: Duration) -> u128 {
         .clamp(1, i32::MAX as u128)
 }
 
-/// Which server the backend talks to: not yet known; PostgreSQL without Citus; Citus; a
-/// server that speaks PostgreSQL's protocol but is not PostgreSQL (CockroachDB,
-/// YugabyteDB), which keeps each statement in a message of its own.
+/// Whether the database runs Citus: not yet known, no, yes.
 const CITUS_UNKNOWN: u8 = 0;
 const CITUS_NO: u8 = 1;
 const CITUS_YES: u8 = 2;
-const NOT_POSTGRES: u8 = 3;
 
 /// A claim's open transaction, and whether the effect already has the session's own
 /// `lock_timeout` back (a single-node claim write restores it in the same statement).
@@ -299,32 +285,21 @@ struct PgClaim<'a> {
 }
 
 impl PgBackend {
-    /// Whether this database runs Citus, asked once per backend (on `conn`), with
-    /// whether the server is PostgreSQL itself.
+    /// Whether this database runs Citus, asked once per backend (on `conn`).
     async fn on_citus(&self, conn: &mut PgConnection) -> Result<bool, DbError> {
         match self.citus.load(Ordering::Relaxed) {
-            CITUS_NO | NOT_POSTGRES => Ok(false),
+            CITUS_NO => Ok(false),
             CITUS_YES => Ok(true),
             _ => {
-                let (citus, postgres): (bool, Option<bool>) = sqlx::query_as(sql::CITUS_INSTALLED)
+                let yes: bool = sqlx::query_scalar(sql::CITUS_INSTALLED)
                     .fetch_one(conn)
                     .await
                     .map_err(db_error)?;
-                let flavor = match (citus, postgres) {
-                    (true, _) => CITUS_YES,
-                    (false, Some(true)) => CITUS_NO,
-                    (false, _) => NOT_POSTGRES,
-                };
-                self.citus.store(flavor, Ordering::Relaxed);
-                Ok(citus)
+                self.citus
+                    .store(if yes { CITUS_YES } else { CITUS_NO }, Ordering::Relaxed);
+                Ok(yes)
             }
         }
-    }
-
-    /// Whether a completion and its `COMMIT` go as one message (single-node
-    /// PostgreSQL, known once the claim has begun).
-    fn commits_with_completion(&self) -> bool {
-        self.citus.load(Ordering::Relaxed) == CITUS_NO
     }
 
     /// Runs one of the claim's writes (`INSERT … ON CONFLICT DO NOTHING` or the guarded
@@ -405,7 +380,7 @@ impl PgBackend {
 
     /// Whether a claim write may restore `lock_timeout` itself (not on Citus).
     fn restores_in_write(&self) -> bool {
-        matches!(self.citus.load(Ordering::Relaxed), CITUS_NO | NOT_POSTGRES)
+        self.citus.load(Ordering::Relaxed) == CITUS_NO
     }
 }
 
@@ -574,69 +549,6 @@ impl PgBackend {
     }
 }
 
-impl PgBackend {
-    /// The completion (or a message's check) and `COMMIT` as one message: one round
-    /// trip. A completion whose record is no longer unfinished and unexpired fails inside
-    /// that message (SQLSTATE 23502 on the column it set to `NULL`), before its `COMMIT`,
-    /// and the transaction is rolled back; one that found no row (the effect ended the
-    /// transaction, so the `COMMIT` had nothing of the claim's to commit) is reported from
-    /// the count of rows. A lost reply leaves the outcome unknown, exactly as a lost reply
-    /// to a lone `COMMIT` does.
-    async fn complete_and_commit(
-        mut tx: PgTx,
-        claim: &Claim<'_>,
-        response: Option<&str>,
-        status: Status,
-    ) -> Result<(), DbError> {
-        let (message, guard) = match claim.id {
-            Identity::Request { scope, key } => (
-                sql::complete_request_and_commit(
-                    scope.principal.as_str(),
-                    scope.operation.as_str(),
-                    key.as_str(),
-                    response,
-                    status.code(),
-                ),
-                "status",
-            ),
-            Identity::Message {
-                subscriber,
-                message_id,
-            } => (
-                sql::check_message_and_commit(subscriber.as_str(), message_id.as_str()),
-                "processed_at",
-            ),
-        };
-        match sqlx::raw_sql(sqlx::AssertSqlSafe(message))
-            .execute(&mut *tx)
-            .await
-        {
-            // Committed; the message began an empty transaction, which the ROLLBACK sqlx
-            // queues as `tx` drops ends with the ping that returns the connection.
-            Ok(done) if done.rows_affected() == 1 => Ok(()),
-            Ok(_) => {
-                let _ = tx.rollback().await;
-                Err(not_completed(None))
-            }
-            Err(e) => {
-                let expired = e
-                    .as_database_error()
-                    .and_then(|d| d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-                    .is_some_and(|d| {
-                        d.code() == error_codes::NOT_NULL_VIOLATION && d.column() == Some(guard)
-                    });
-                let e = db_error(e);
-                let _ = tx.rollback().await;
-                Err(if expired {
-                    not_completed(Some(true))
-                } else {
-                    e
-                })
-            }
-        }
-    }
-}
-
 /// The error of a completion that found no unfinished, unexpired record.
 fn not_completed(expired: Option<bool>) -> DbError {
     if expired == Some(true) {
@@ -695,9 +607,6 @@ impl Backend for PgBackend {
             Finish::Rollback => return tx.rollback().await.map_err(db_error),
             Finish::Commit { response, status } => (response, status),
         };
-        if self.commits_with_completion() {
-            return Self::complete_and_commit(tx, claim, response, status).await;
-        }
         let checked = match claim.id {
             Identity::Request { scope, key } => {
                 let (p, o, k) = (

@@ -125,77 +125,6 @@ pub(crate) const COMPLETE_REQUEST: &str = concat!(
     request_pk!(),
     " AND response IS NULL AND expires_at > statement_timestamp()"
 );
-/// A text value as a SQL expression whose literal holds only hex digits:
-/// `convert_from(decode('6b6579', 'hex'), 'UTF8')`. What a user sent (a key, a principal,
-/// a response) reaches a message that cannot bind values this way and no other: nothing in
-/// it can end the literal or change the statement, whatever the value or the server's
-/// `standard_conforming_strings`. The result has the default collation, so a column's own
-/// (`COLLATE "C"` on the key columns) decides the comparison and its index is used.
-pub(crate) fn text_literal(value: &str) -> String {
-    const HEX: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(value.len() * 2 + 40);
-    out.push_str("convert_from(decode('");
-    for byte in value.bytes() {
-        out.push(char::from(HEX[usize::from(byte >> 4)]));
-        out.push(char::from(HEX[usize::from(byte & 0x0f)]));
-    }
-    out.push_str("', 'hex'), 'UTF8')");
-    out
-}
-
-/// Ends a message that completes and commits: after `COMMIT`, a new empty transaction,
-/// so that sqlx (which still counts the transaction it began as open) ends that one with
-/// the `ROLLBACK` it queues when the transaction is dropped, sent together with the ping
-/// that returns the connection to the pool: no round trip, no "no transaction in
-/// progress" warning.
-macro_rules! then_commit {
-    () => {
-        "; COMMIT; BEGIN"
-    };
-}
-
-/// The completion of a request and its `COMMIT`, one simple-query message (single-node
-/// PostgreSQL; one round trip where [`COMPLETE_REQUEST`] and `COMMIT` took two). The
-/// values are [`text_literal`]s. The `UPDATE` completes the placeholder this transaction
-/// claimed; when that row is no longer unfinished and unexpired it sets `status` (`NOT
-/// NULL`) to `NULL`, so the statement fails with SQLSTATE 23502 on column `status`, the
-/// `COMMIT` after it never runs, and the transaction is rolled back: one statement, no
-/// separate check. No row at all (the effect ended the transaction itself) updates
-/// nothing: that `COMMIT` then commits nothing of the claim's, and the caller reports it
-/// from the count of rows.
-pub(crate) fn complete_request_and_commit(
-    principal: &str,
-    operation: &str,
-    key: &str,
-    response: Option<&str>,
-    status: i16,
-) -> String {
-    let response = response.map_or_else(|| "NULL".to_owned(), text_literal);
-    format!(
-        "UPDATE idem_request_result SET response = {response}, status = CASE WHEN response IS \
-         NULL AND expires_at > statement_timestamp() THEN {status} END WHERE principal = {} AND \
-         operation = {} AND request_key = {}{}",
-        text_literal(principal),
-        text_literal(operation),
-        text_literal(key),
-        then_commit!()
-    )
-}
-
-/// A message's check before its `COMMIT` ([`EXPIRED_MESSAGE`]) and the `COMMIT`, one
-/// simple-query message (single-node PostgreSQL), failing like
-/// [`complete_request_and_commit`] when the claimed row expired (`processed_at`, `NOT
-/// NULL`, set to `NULL`: SQLSTATE 23502) and updating no row when it is gone.
-pub(crate) fn check_message_and_commit(subscriber: &str, message_id: &str) -> String {
-    format!(
-        "UPDATE idem_processed_message SET processed_at = CASE WHEN expires_at > \
-         statement_timestamp() THEN processed_at END WHERE subscriber = {} AND message_id = {}{}",
-        text_literal(subscriber),
-        text_literal(message_id),
-        then_commit!()
-    )
-}
-
 /// Why a completion found no row: `Some(true)` when the record expired.
 pub(crate) const EXPIRED_REQUEST: &str = concat!(
     "SELECT expires_at <= statement_timestamp() FROM idem_request_result WHERE ",
@@ -254,8 +183,8 @@ pub(crate) const LOOKUP_MESSAGE: &str = concat!(
 
 /// Whether this database runs Citus (read once per backend): the claim then sends its
 /// writes and the restore of `lock_timeout` as separate statements.
-pub(crate) const CITUS_INSTALLED: &str = "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus'), \
-     version() LIKE 'PostgreSQL %' AND version() NOT LIKE '%-YB-%'";
+pub(crate) const CITUS_INSTALLED: &str =
+    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')";
 
 /// Records that are expired **and** were claimed at least `$1` seconds ago, oldest
 /// expiry first; rows locked by a live transaction are skipped. Params: older than (s),
@@ -594,15 +523,6 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
     ("citus_installed", CITUS_INSTALLED),
-    (
-        "complete_request_and_commit",
-        // A key with a quote, a response with a backslash and non-ASCII text.
-        r#"UPDATE idem_request_result SET response = convert_from(decode('7b2262223a225c5c20c3a9227d', 'hex'), 'UTF8'), status = CASE WHEN response IS NULL AND expires_at > statement_timestamp() THEN 0 END WHERE principal = convert_from(decode('616c696365', 'hex'), 'UTF8') AND operation = convert_from(decode('64656269743a7631', 'hex'), 'UTF8') AND request_key = convert_from(decode('6b27', 'hex'), 'UTF8'); COMMIT; BEGIN"#,
-    ),
-    (
-        "check_message_and_commit",
-        r#"UPDATE idem_processed_message SET processed_at = CASE WHEN expires_at > statement_timestamp() THEN processed_at END WHERE subscriber = convert_from(decode('6c6564676572', 'hex'), 'UTF8') AND message_id = convert_from(decode('6d2d31', 'hex'), 'UTF8'); COMMIT; BEGIN"#,
-    ),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
     ("purge_requests_distributed", PURGE_REQUESTS_DISTRIBUTED),
@@ -716,48 +636,6 @@ mod tests {
                 "{sql}"
             );
         }
-    }
-
-    #[test]
-    fn text_literals_hold_only_hex_digits() {
-        for value in ["", "k'; DROP TABLE x; --", "\\'\"$$ */ é 🦀", "\u{7f}"] {
-            let lit = super::text_literal(value);
-            let inner = lit
-                .strip_prefix("convert_from(decode('")
-                .and_then(|l| l.strip_suffix("', 'hex'), 'UTF8')"))
-                .expect("the literal's frame");
-            assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()), "{lit}");
-            let bytes: Vec<u8> = (0..inner.len())
-                .step_by(2)
-                .map(|i| u8::from_str_radix(&inner[i..i + 2], 16).unwrap())
-                .collect();
-            assert_eq!(bytes, value.as_bytes());
-        }
-    }
-
-    /// The snapshot's two merged messages are what the builders produce.
-    #[test]
-    fn merged_completions_are_built_as_snapshotted() {
-        let built = super::complete_request_and_commit(
-            "alice",
-            "debit:v1",
-            "k'",
-            Some(r#"{"b":"\\ é"}"#),
-            0,
-        );
-        let snap = super::ALL
-            .iter()
-            .find(|(n, _)| *n == "complete_request_and_commit")
-            .unwrap()
-            .1;
-        assert_eq!(built, snap);
-        let built = super::check_message_and_commit("ledger", "m-1");
-        let snap = super::ALL
-            .iter()
-            .find(|(n, _)| *n == "check_message_and_commit")
-            .unwrap()
-            .1;
-        assert_eq!(built, snap);
     }
 
     #[test]
