@@ -675,41 +675,12 @@ async fn count_round_trips<K: BenchEngine>(
         proxied.push(if proxied.contains('?') { '&' } else { '?' });
         proxied.push_str("prefer_socket=false");
     }
-    let backend = K::attach(&proxied, ns, 1, opts.pool).await?;
-    let mut counted = Ctx::<K>::new(
-        backend.clone(),
-        format!("{}p", ctx.run),
-        ctx.accounts,
-        opts.fast_path,
-    )?;
-    counted.replay_keys = ctx.replay_keys.clone();
-    let counted = Arc::new(counted);
+    // The pool's asynchronous return work (a ping, a reset) belongs to the operation.
     let settle = Duration::from_millis(100);
-    let mut out = Vec::new();
-    for &path in paths.iter().filter(|p| **p != Path::Storm) {
-        for _ in 0..3 {
-            op::<K>(&counted, path, 1)
-                .await
-                .map_err(|e| Fail::new(1, format!("({}) through the proxy: {e}", path.letter())))?;
-        }
-        tokio::time::sleep(settle).await;
-        let before = proxy.bursts();
-        for _ in 0..RT_OPS {
-            op::<K>(&counted, path, 1)
-                .await
-                .map_err(|e| Fail::new(1, format!("({}) through the proxy: {e}", path.letter())))?;
-        }
-        // The pool's asynchronous return work (a ping, a reset) belongs to the operation.
-        tokio::time::sleep(settle).await;
-        let bursts = proxy.bursts() - before;
-        out.push(RoundTrips {
-            path,
-            per_op: bursts as f64 / f64::from(RT_OPS),
-        });
-    }
-    drop(counted);
-    K::release(backend).await;
-    Ok(out)
+    count_per_op::<K>(ctx, &proxied, ns, paths, opts, "p", settle, || {
+        proxy.bursts()
+    })
+    .await
 }
 
 /// The blocking engines' round trips: closures handed to tokio's blocking pool per
@@ -721,32 +692,64 @@ async fn count_trips<K: BenchEngine>(
     paths: &[Path],
     opts: &Options,
 ) -> Result<Vec<RoundTrips>, Fail> {
+    count_per_op::<K>(
+        ctx,
+        url,
+        ns,
+        paths,
+        opts,
+        "t",
+        Duration::ZERO,
+        idem::core::blocking::trips,
+    )
+    .await
+}
+
+/// Runs every path but the storm [`RT_OPS`] times in a row (after 3 warm-up calls) on a
+/// backend of one connection at `url`, and reads `count` before and after (waiting
+/// `settle` after the warm-up and after the operations): its growth per operation.
+#[allow(clippy::too_many_arguments)]
+async fn count_per_op<K: BenchEngine>(
+    ctx: &Arc<Ctx<K>>,
+    url: &str,
+    ns: &str,
+    paths: &[Path],
+    opts: &Options,
+    run_suffix: &str,
+    settle: Duration,
+    count: impl Fn() -> u64,
+) -> Result<Vec<RoundTrips>, Fail> {
     let backend = K::attach(url, ns, 1, opts.pool).await?;
     let mut counted = Ctx::<K>::new(
         backend.clone(),
-        format!("{}t", ctx.run),
+        format!("{}{run_suffix}", ctx.run),
         ctx.accounts,
         opts.fast_path,
     )?;
     counted.replay_keys = ctx.replay_keys.clone();
     let counted = Arc::new(counted);
+    let failed = |path: Path, e: String| {
+        Fail::new(1, format!("({}) counting round trips: {e}", path.letter()))
+    };
     let mut out = Vec::new();
     for &path in paths.iter().filter(|p| **p != Path::Storm) {
         for _ in 0..3 {
             op::<K>(&counted, path, 1)
                 .await
-                .map_err(|e| Fail::new(1, format!("({}) counting trips: {e}", path.letter())))?;
+                .map_err(|e| failed(path, e))?;
         }
-        let before = idem::core::blocking::trips();
+        tokio::time::sleep(settle).await;
+        let before = count();
         for _ in 0..RT_OPS {
             op::<K>(&counted, path, 1)
                 .await
-                .map_err(|e| Fail::new(1, format!("({}) counting trips: {e}", path.letter())))?;
+                .map_err(|e| failed(path, e))?;
         }
-        let trips = idem::core::blocking::trips() - before;
+        tokio::time::sleep(settle).await;
+        let counted_now = count() - before;
         out.push(RoundTrips {
             path,
-            per_op: trips as f64 / f64::from(RT_OPS),
+            per_op: counted_now as f64 / f64::from(RT_OPS),
         });
     }
     drop(counted);
