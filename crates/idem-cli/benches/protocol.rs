@@ -14,13 +14,19 @@ use idem_conformance::Bank;
 use idem_conformance::harness::namespace;
 use serde_json::json;
 
-fn paths<K: Bank>(c: &mut Criterion, url: &str) {
+/// A runtime, the demo bank in a private namespace of `url` (account 1 funded), idem on
+/// its backend, the scope and the request every benchmark uses.
+#[allow(clippy::type_complexity)]
+fn prepare<K: Bank>(
+    url: &str,
+    ns: &str,
+) -> (tokio::runtime::Runtime, K, Idem<K::B>, Scope, Request) {
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
         Err(e) => panic!("tokio: {e}"),
     };
     let bank = rt.block_on(async {
-        let bank = K::connect(url, Some(&namespace("criterion"))).await?;
+        let bank = K::connect(url, Some(&namespace(ns))).await?;
         bank.setup().await?;
         bank.set_balance(1, i64::MAX / 2).await?;
         Ok::<_, idem::DbError>(bank)
@@ -34,7 +40,11 @@ fn paths<K: Bank>(c: &mut Criterion, url: &str) {
         (Ok(p), Ok(o)) => Scope::new(p, o),
         _ => panic!("scope"),
     };
-    let request = Request::new(json!({ "amount": 1 }));
+    (rt, bank, idem, scope, Request::new(json!({ "amount": 1 })))
+}
+
+fn paths<K: Bank>(c: &mut Criterion, url: &str) {
+    let (rt, bank, idem, scope, request) = prepare::<K>(url, "criterion");
     let next = AtomicU64::new(0);
     let mut group = c.benchmark_group(K::ENGINE);
     group.bench_function("new_request", |b| {
@@ -77,26 +87,7 @@ fn paths<K: Bank>(c: &mut Criterion, url: &str) {
 fn sqlite_sync(c: &mut Criterion, url: &str) {
     use idem::sqlite::ExecuteBlocking;
     use idem_conformance::sqlite::{SqliteBank, move_balance};
-    let rt = match tokio::runtime::Runtime::new() {
-        Ok(rt) => rt,
-        Err(e) => panic!("tokio: {e}"),
-    };
-    let bank = rt.block_on(async {
-        let bank = SqliteBank::connect(url, Some(&namespace("criterion-sync"))).await?;
-        bank.setup().await?;
-        bank.set_balance(1, i64::MAX / 2).await?;
-        Ok::<_, idem::DbError>(bank)
-    });
-    let bank = match bank {
-        Ok(bank) => bank,
-        Err(e) => panic!("cannot prepare sqlite: {e}"),
-    };
-    let idem = Idem::new(bank.backend().clone());
-    let scope = match (Principal::new("bench"), Operation::new("debit", 1)) {
-        (Ok(p), Ok(o)) => Scope::new(p, o),
-        _ => panic!("scope"),
-    };
-    let request = Request::new(json!({ "amount": 1 }));
+    let (rt, bank, idem, scope, request) = prepare::<SqliteBank>(url, "criterion-sync");
     let next = AtomicU64::new(0);
     let mut group = c.benchmark_group("sqlite_sync");
     group.bench_function("new_request", |b| {
