@@ -117,6 +117,8 @@ for engine in sqlite postgres mysql mssql oracle; do
       fi
       ;;
     postgres)
+      step "conformance suite: postgres with the placeholder claim (IDEM_POSTGRES_CLAIM_STYLE=placeholder, as on Citus)"
+      IDEM_POSTGRES_CLAIM_STYLE=placeholder cargo test --locked -p idem-tests --all-features --test postgres
       step "PostgreSQL: serialization failures retried with the same key"
       cargo test --locked -p idem-postgres --all-features --tests
       ;;

@@ -95,6 +95,11 @@ pub(crate) trait Net: Bank {
 
     /// Outbox messages not marked sent.
     fn unsent(&self) -> impl Future<Output = Result<u64, DbError>> + Send;
+
+    /// Which statements claim a key and complete its record (the faults aim at them).
+    fn shape() -> crate::paths::Shape {
+        crate::paths::Shape::PLACEHOLDER
+    }
 }
 
 fn phase_state(point: &str, seen: Option<&str>) -> Value {
@@ -122,6 +127,14 @@ mod postgres {
         const WIRE: Wire = Wire::Postgres;
         const DEFAULT_PORT: u16 = 5432;
 
+        fn shape() -> crate::paths::Shape {
+            // A single server claims with the key lock unless the run asks otherwise.
+            match idem_conformance::postgres::claim_style() {
+                Ok(idem::postgres::ClaimStyle::Placeholder) => crate::paths::Shape::PLACEHOLDER,
+                _ => crate::paths::Shape::KEY_LOCK,
+            }
+        }
+
         async fn prepare(&self) -> Result<(), DbError> {
             sqlx::raw_sql(SCHEMA)
                 .execute(self.backend().pool())
@@ -136,7 +149,9 @@ mod postgres {
                 .map_err(db_error)?
                 .ssl_mode(PgSslMode::Disable)
                 .options([("search_path", ns)]);
-            PgBackend::connect_with(options, pool).await
+            Ok(PgBackend::connect_with(options, pool)
+                .await?
+                .with_claim_style(idem_conformance::postgres::claim_style()?))
         }
 
         fn ledger<'t>(

@@ -52,15 +52,45 @@ fn stmt(kind: &str, table: &str, key: &str) -> Marker {
     Marker::kind(kind).with(table).with(key)
 }
 
+/// Which of an engine's statements claim a key and write its record's answer, found by
+/// the proxy by their words, a table and the key: what the claim and completion
+/// variants below aim at.
+#[derive(Clone, Copy)]
+pub(crate) struct Shape {
+    /// The statement that claims the key in its transaction: a placeholder `INSERT`, or,
+    /// with PostgreSQL's key lock, the re-read after the lock (`… LEFT JOIN …`).
+    pub(crate) claim: fn(&str, &str) -> Marker,
+    /// The statement that writes the answer before `COMMIT`: the placeholder's `UPDATE`,
+    /// or, with the key lock, the complete record's `INSERT` (sent with `COMMIT`).
+    pub(crate) complete: fn(&str, &str) -> Marker,
+}
+
+impl Shape {
+    /// A placeholder claim: `INSERT`, then `UPDATE` (MySQL/MariaDB, PostgreSQL's
+    /// `ClaimStyle::Placeholder`).
+    pub(crate) const PLACEHOLDER: Self = Self {
+        claim: |table, key| stmt("INSERT", table, key),
+        complete: |table, key| stmt("UPDATE", table, key),
+    };
+    /// PostgreSQL's key lock: the re-read claims, the record's `INSERT` completes.
+    pub(crate) const KEY_LOCK: Self = Self {
+        claim: |table, key| stmt("SELECT", table, key).with("LEFT JOIN"),
+        complete: |table, key| stmt("INSERT", table, key),
+    };
+}
+
+/// A fault for a key, given the engine's [`Shape`].
+type FaultFor = fn(&str, Shape) -> Option<Fault>;
+
 /// A planned fault: its name (for reports) and the fault for a key.
 #[derive(Clone, Copy)]
 struct Variant {
     name: &'static str,
-    fault: fn(&str) -> Option<Fault>,
+    fault: FaultFor,
     patience: Duration,
 }
 
-const fn variant(name: &'static str, fault: fn(&str) -> Option<Fault>) -> Variant {
+const fn variant(name: &'static str, fault: FaultFor) -> Variant {
     Variant {
         name,
         fault,
@@ -136,31 +166,29 @@ fn execute_effect<K: Net>(tx: &mut Tx<K>, key: String) -> BoxFuture<'_, Result<V
 }
 
 const EXECUTE: [Variant; 7] = [
-    variant("commit: reply lost", |k| {
+    variant("commit: reply lost", |k, _| {
         Some(Fault::lose_reply(Trigger::commit_after(
             Marker::containing("nf_ledger").with(k),
         )))
     }),
-    variant("claim: reply lost", |k| {
-        Some(Fault::lose_reply(Trigger::on(stmt(
-            "INSERT",
+    variant("claim: reply lost", |k, s| {
+        Some(Fault::lose_reply(Trigger::on((s.claim)(
             "idem_request_result",
             k,
         ))))
     }),
-    variant("completion: cut", |k| {
-        Some(Fault::cut(Trigger::on(stmt(
-            "UPDATE",
+    variant("completion: cut", |k, s| {
+        Some(Fault::cut(Trigger::on((s.complete)(
             "idem_request_result",
             k,
         ))))
     }),
-    variant("commit: cut", |k| {
+    variant("commit: cut", |k, _| {
         Some(Fault::cut(Trigger::commit_after(
             Marker::containing("nf_ledger").with(k),
         )))
     }),
-    variant("commit: reply delayed", |k| {
+    variant("commit: reply delayed", |k, _| {
         Some(Fault::delay(
             SHORT_DELAY,
             Trigger::commit_after(Marker::containing("nf_ledger").with(k)),
@@ -168,7 +196,7 @@ const EXECUTE: [Variant; 7] = [
     }),
     Variant {
         name: "commit: reply delayed past the client's patience",
-        fault: |k| {
+        fault: |k, _| {
             Some(Fault::delay(
                 LONG_DELAY,
                 Trigger::commit_after(Marker::containing("nf_ledger").with(k)),
@@ -176,7 +204,7 @@ const EXECUTE: [Variant; 7] = [
         },
         patience: IMPATIENT,
     },
-    variant("none", |_| None),
+    variant("none", |_, _| None),
 ];
 
 /// `Idem::execute`: the effect and the record commit together.
@@ -194,7 +222,7 @@ pub(crate) async fn execute<K: Net>(env: &Env<K>, scale: u32) -> Res<Figures> {
                 key: k.clone(),
                 ..KeyLog::default()
             };
-            planned.arm(&env.proxy, &k, v.name, (v.fault)(&k));
+            planned.arm(&env.proxy, &k, v.name, (v.fault)(&k, K::shape()));
             let key = key(&k)?;
             let request = Request::new(json!({ "key": k }));
             let answer = until_definite(&mut log, v.patience, || {
@@ -260,25 +288,19 @@ fn final_effect<K: Net>(
 }
 
 /// `(name, fault for an accepted key, fault for a rejected key)`.
-type FinalVariant = (
-    &'static str,
-    fn(&str) -> Option<Fault>,
-    fn(&str) -> Option<Fault>,
-);
+type FinalVariant = (&'static str, FaultFor, FaultFor);
 
 const FINAL: [FinalVariant; 5] = [
     (
         "answer stored: reply lost",
-        |k| {
-            Some(Fault::lose_reply(Trigger::commit_after(stmt(
-                "UPDATE",
+        |k, s| {
+            Some(Fault::lose_reply(Trigger::commit_after((s.complete)(
                 "idem_request_result",
                 k,
             ))))
         },
-        |k| {
-            Some(Fault::lose_reply(Trigger::commit_after(stmt(
-                "UPDATE",
+        |k, s| {
+            Some(Fault::lose_reply(Trigger::commit_after((s.complete)(
                 "idem_request_result",
                 k,
             ))))
@@ -286,16 +308,14 @@ const FINAL: [FinalVariant; 5] = [
     ),
     (
         "answer stored: cut",
-        |k| {
-            Some(Fault::cut(Trigger::on(stmt(
-                "UPDATE",
+        |k, s| {
+            Some(Fault::cut(Trigger::on((s.complete)(
                 "idem_request_result",
                 k,
             ))))
         },
-        |k| {
-            Some(Fault::cut(Trigger::on(stmt(
-                "UPDATE",
+        |k, s| {
+            Some(Fault::cut(Trigger::on((s.complete)(
                 "idem_request_result",
                 k,
             ))))
@@ -303,14 +323,13 @@ const FINAL: [FinalVariant; 5] = [
     ),
     (
         "claim: reply lost; rejected: the rollback's reply lost",
-        |k| {
-            Some(Fault::lose_reply(Trigger::on(stmt(
-                "INSERT",
+        |k, s| {
+            Some(Fault::lose_reply(Trigger::on((s.claim)(
                 "idem_request_result",
                 k,
             ))))
         },
-        |k| {
+        |k, s| {
             Some(Fault::lose_reply(
                 Trigger::on(Marker::containing("nf_ledger").with(k)).then(Marker::kind("ROLLBACK")),
             ))
@@ -318,20 +337,20 @@ const FINAL: [FinalVariant; 5] = [
     ),
     (
         "answer stored: reply delayed",
-        |k| {
+        |k, s| {
             Some(Fault::delay(
                 SHORT_DELAY,
-                Trigger::commit_after(stmt("UPDATE", "idem_request_result", k)),
+                Trigger::commit_after((s.complete)("idem_request_result", k)),
             ))
         },
-        |k| {
+        |k, s| {
             Some(Fault::delay(
                 SHORT_DELAY,
-                Trigger::commit_after(stmt("UPDATE", "idem_request_result", k)),
+                Trigger::commit_after((s.complete)("idem_request_result", k)),
             ))
         },
     ),
-    ("none", |_| None, |_| None),
+    ("none", |_, _| None, |_, _| None),
 ];
 
 /// `Idem::execute_final`: accepted keys commit their effect; rejected keys roll it back
@@ -358,7 +377,11 @@ pub(crate) async fn execute_final<K: Net>(env: &Env<K>, scale: u32) -> Res<Figur
                 key: k.clone(),
                 ..KeyLog::default()
             };
-            let fault = if reject { refused(&k) } else { accepted(&k) };
+            let fault = if reject {
+                refused(&k, K::shape())
+            } else {
+                accepted(&k, K::shape())
+            };
             planned.arm(&env.proxy, &k, name, fault);
             let key = key(&k)?;
             let request = Request::new(json!({ "key": k }));
@@ -428,37 +451,35 @@ fn consume_effect<K: Net>(tx: &mut Tx<K>, key: String) -> BoxFuture<'_, Result<(
 }
 
 const CONSUME: [Variant; 6] = [
-    variant("commit: reply lost", |k| {
+    variant("commit: reply lost", |k, s| {
         Some(Fault::lose_reply(Trigger::commit_after(
             Marker::containing("nf_ledger").with(k),
         )))
     }),
-    variant("claim: reply lost", |k| {
-        Some(Fault::lose_reply(Trigger::on(stmt(
-            "INSERT",
+    variant("claim: reply lost", |k, s| {
+        Some(Fault::lose_reply(Trigger::on((s.claim)(
             "idem_processed_message",
             k,
         ))))
     }),
-    variant("claim: cut", |k| {
-        Some(Fault::cut(Trigger::on(stmt(
-            "INSERT",
+    variant("claim: cut", |k, s| {
+        Some(Fault::cut(Trigger::on((s.claim)(
             "idem_processed_message",
             k,
         ))))
     }),
-    variant("commit: cut", |k| {
+    variant("commit: cut", |k, s| {
         Some(Fault::cut(Trigger::commit_after(
             Marker::containing("nf_ledger").with(k),
         )))
     }),
-    variant("commit: reply delayed", |k| {
+    variant("commit: reply delayed", |k, s| {
         Some(Fault::delay(
             SHORT_DELAY,
             Trigger::commit_after(Marker::containing("nf_ledger").with(k)),
         ))
     }),
-    variant("none", |_| None),
+    variant("none", |_, _| None),
 ];
 
 /// `Idem::consume`: the message ID commits with the effect; a redelivery is a
@@ -477,7 +498,7 @@ pub(crate) async fn consume<K: Net>(env: &Env<K>, scale: u32) -> Res<Figures> {
                 key: k.clone(),
                 ..KeyLog::default()
             };
-            planned.arm(&env.proxy, &k, v.name, (v.fault)(&k));
+            planned.arm(&env.proxy, &k, v.name, (v.fault)(&k, K::shape()));
             let id = MessageId::new(k.as_str()).map_err(|e| fail(e.to_string()))?;
             let payload = Request::new(json!({ "message": k }));
             let answer = until_definite(&mut log, v.patience, || {
@@ -1106,28 +1127,28 @@ fn msg(k: &str) -> String {
 }
 
 const ENQUEUE: [Variant; 6] = [
-    variant("enqueue: cut", |k| {
+    variant("enqueue: cut", |k, _| {
         Some(Fault::cut(Trigger::on(stmt(
             "INSERT",
             "idem_outbox",
             &msg(k),
         ))))
     }),
-    variant("enqueue: reply lost", |k| {
+    variant("enqueue: reply lost", |k, _| {
         Some(Fault::lose_reply(Trigger::on(stmt(
             "INSERT",
             "idem_outbox",
             &msg(k),
         ))))
     }),
-    variant("commit after enqueue: reply lost", |k| {
+    variant("commit after enqueue: reply lost", |k, _| {
         Some(Fault::lose_reply(Trigger::commit_after(stmt(
             "INSERT",
             "idem_outbox",
             &msg(k),
         ))))
     }),
-    variant("commit after enqueue: cut", |k| {
+    variant("commit after enqueue: cut", |k, _| {
         Some(Fault::cut(Trigger::commit_after(stmt(
             "INSERT",
             "idem_outbox",
@@ -1135,8 +1156,8 @@ const ENQUEUE: [Variant; 6] = [
         ))))
     }),
     // The effect fails after enqueueing: its messages must never be published.
-    variant("refused", |_| None),
-    variant("none", |_| None),
+    variant("refused", |_, _| None),
+    variant("none", |_, _| None),
 ];
 
 /// The relay's faults, one armed per pass in turn.
@@ -1202,7 +1223,7 @@ pub(crate) async fn outbox<K: Net>(env: &Env<K>, scale: u32) -> Res<Figures> {
                 key: k.clone(),
                 ..KeyLog::default()
             };
-            planned.arm(&env.proxy, &k, v.name, (v.fault)(&k));
+            planned.arm(&env.proxy, &k, v.name, (v.fault)(&k, K::shape()));
             let key = key(&k)?;
             let request = Request::new(json!({ "key": k }));
             let out = messages(&k)?;

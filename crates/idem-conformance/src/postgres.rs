@@ -5,7 +5,7 @@ use std::str::FromStr;
 use idem::core::{BoxFuture, DbError, ErrorKind, Maintenance};
 use idem::postgres::sqlx::postgres::{PgConnectOptions, PgPool};
 use idem::postgres::sqlx::{self, Row};
-use idem::postgres::{PgBackend, PgTx, PurgeStyle, db_error};
+use idem::postgres::{ClaimStyle, PgBackend, PgTx, PurgeStyle, db_error};
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
 
@@ -62,6 +62,22 @@ fn effect(
     })
 }
 
+/// The claim style the fixture's backends use: `IDEM_POSTGRES_CLAIM_STYLE` = `auto` (or
+/// unset: the backend's default), `key-lock` or `placeholder`, so that CI runs the cases
+/// with each.
+pub fn claim_style() -> Result<ClaimStyle, DbError> {
+    match std::env::var("IDEM_POSTGRES_CLAIM_STYLE").as_deref() {
+        Err(_) | Ok("" | "auto") => Ok(ClaimStyle::Auto),
+        Ok("key-lock") => Ok(ClaimStyle::KeyLock),
+        Ok("placeholder") => Ok(ClaimStyle::Placeholder),
+        Ok(other) => Err(DbError::new(
+            "postgres",
+            ErrorKind::Configuration,
+            format!("IDEM_POSTGRES_CLAIM_STYLE={other:?}: expected auto, key-lock or placeholder"),
+        )),
+    }
+}
+
 impl Bank for PgBank {
     type B = PgBackend;
     const ENGINE: &'static str = "postgres";
@@ -69,7 +85,9 @@ impl Bank for PgBank {
     async fn connect(url: &str, namespace: Option<&str>) -> Result<Self, DbError> {
         let Some(ns) = namespace else {
             return Ok(Self {
-                backend: PgBackend::connect(url).await?,
+                backend: PgBackend::connect(url)
+                    .await?
+                    .with_claim_style(claim_style()?),
                 private_schema: None,
             });
         };
@@ -94,7 +112,9 @@ impl Bank for PgBank {
             .execute(&admin)
             .await
             .map_err(db_error)?;
-        let backend = PgBackend::connect_with(options.options([("search_path", ns)]), 40).await?;
+        let backend = PgBackend::connect_with(options.options([("search_path", ns)]), 40)
+            .await?
+            .with_claim_style(claim_style()?);
         Ok(Self {
             backend,
             private_schema: Some((admin, ns.to_owned())),
@@ -106,7 +126,7 @@ impl Bank for PgBank {
     }
 
     const DOCUMENTED: Capabilities = Capabilities {
-        claim: "`BEGIN` and the wait bound (`SET LOCAL lock_timeout`) in one message, then `INSERT … VALUES … ON CONFLICT DO NOTHING` whose `RETURNING` gives the effect the session's `lock_timeout` back; a conflict re-read by a separate `SELECT` (READ COMMITTED); placeholder completed before `COMMIT` (on Citus the bound and its restore are `SET LOCAL` messages of their own)",
+        claim: "single server (`ClaimStyle::KeyLock`, the default): `BEGIN`, the wait bound (`SET LOCAL lock_timeout`) and `pg_advisory_xact_lock` of the identity's 64-bit name in one message, then a `SELECT` of the record; no placeholder: the record is written once, complete, by an `INSERT … ON CONFLICT (pk) DO UPDATE` (an expired record only) that travels with `COMMIT`, its guards failing on purpose with 23502 so the `COMMIT` never runs. `ClaimStyle::Placeholder` (Citus, CockroachDB, YugabyteDB): `INSERT … ON CONFLICT DO NOTHING` of a placeholder, a conflict re-read by a separate `SELECT` (READ COMMITTED), completed before `COMMIT`",
         key_columns: "`text COLLATE \"C\"` (byte order and equality)",
         json_storage: "`text`, kept verbatim (not `jsonb`, which rewrites numbers and refuses `\\u0000`)",
         retried: "40001 serialization failure, 40P01 deadlock; a claim's 55P03 after `lock_timeout` = the wait bound answers InProgress instead",

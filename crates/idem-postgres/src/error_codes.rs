@@ -9,6 +9,9 @@ use idem_core::{DbError, ErrorKind};
 pub const FEATURE_NOT_SUPPORTED: &str = "0A000";
 /// `unique_violation`.
 pub const UNIQUE_VIOLATION: &str = "23505";
+/// `not_null_violation`: what a failed guard of the key-lock completion raises on
+/// purpose (its column names the guard), so that the `COMMIT` sent after it never runs.
+pub const NOT_NULL_VIOLATION: &str = "23502";
 /// `serialization_failure`: the loser under REPEATABLE READ / SERIALIZABLE.
 pub const SERIALIZATION_FAILURE: &str = "40001";
 /// `deadlock_detected`.
@@ -112,6 +115,7 @@ mod tests {
     #[test]
     fn sqlstates_classify() {
         assert_eq!(kind_of("23505"), ErrorKind::UniqueViolation);
+        assert_eq!(kind_of(NOT_NULL_VIOLATION), ErrorKind::Other);
         assert_eq!(kind_of("40001"), ErrorKind::SerializationFailure);
         assert_eq!(kind_of("40P01"), ErrorKind::Deadlock);
         assert_eq!(kind_of("55P03"), ErrorKind::LockTimeout);

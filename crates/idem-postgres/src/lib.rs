@@ -1,16 +1,51 @@
 //! PostgreSQL backend for idem, on [sqlx](https://docs.rs/sqlx).
 //!
-//! The claim is the pattern's reference one: `INSERT … ON CONFLICT DO NOTHING` inside the
-//! effect's transaction, then a **separate** `SELECT` when nothing was inserted. A conflicting
-//! insert waits for the other transaction; under READ COMMITTED the row it committed may
-//! be invisible to the INSERT's snapshot, but the next statement sees it. The winner's
-//! placeholder (response `NULL`) exists only inside its transaction; it is completed
-//! with the response just before `COMMIT`.
+//! # Two claims, one protocol
 //!
-//! Under REPEATABLE READ or SERIALIZABLE the waiting loser gets SQLSTATE 40001 instead;
-//! idem retries the whole transaction with the same key (40001 and 40P01, bounded,
-//! jittered). CockroachDB and YugabyteDB speak this protocol and are serializable by
-//! default, so they take that path (not tested here).
+//! How a claim keeps concurrent calls with one key apart is a [`ClaimStyle`]; both run
+//! idem-core's claim tree ([`idem_core::claim::run`]) and keep every promise of the
+//! conformance suite (CI runs it with each).
+//!
+//! **The key lock** ([`ClaimStyle::KeyLock`], the default on a single server and its
+//! streaming replicas). The claim's `BEGIN` message also takes
+//! `pg_advisory_xact_lock` of the identity's 64-bit name
+//! ([`idem_core::Identity::lock_key`], with the table's OID mixed in), so calls with the
+//! same key queue there, each waiting at most the wait bound; then one `SELECT` reads
+//! the record: a live one replays, none (or an expired one) and the effect runs. There
+//! is no placeholder: the record is written **once, complete**, just before `COMMIT`, by
+//! an `INSERT … ON CONFLICT (pk) DO UPDATE` that replaces an expired record only, and
+//! that `INSERT` and the `COMMIT` travel in one message. The primary key still refuses a
+//! second record: a record committed meanwhile by a session that takes no key lock (an
+//! earlier idem, SQL of the application's own) makes the completion fail before its
+//! `COMMIT`, and the retry replays that record. A new request costs one round trip more
+//! than its bare effect (none without the replay fast path), and writes one row where a
+//! placeholder costs a row and its update (`docs/performance.md`).
+//!
+//! The completion's guards fail **on purpose** with SQLSTATE 23502 (a `NOT NULL` column
+//! set to `NULL`), which stops the message before its `COMMIT`; the error's column (a
+//! structured field, never the message text) names the guard: the claiming transaction
+//! ended inside the effect, the record's retention ran out while the effect ran, or a
+//! live record was written without the lock. A simple query binds nothing, so the
+//! completion's user values travel as hex literals (`convert_from(decode('…', 'hex'),
+//! 'UTF8')`: only `[0-9a-f]` of user data reaches the SQL text); the key lock's `BEGIN`
+//! carries integers only.
+//!
+//! Under REPEATABLE READ or SERIALIZABLE the snapshot is taken by the `BEGIN` message's
+//! first `SELECT`, before the lock's wait: a claim that had to wait for the key and then
+//! finds no live record answers a serialization failure itself (before any effect), and
+//! idem retries it in a new transaction with the same key, as it retries 40001.
+//!
+//! **The placeholder** ([`ClaimStyle::Placeholder`]: Citus, CockroachDB, YugabyteDB, or
+//! by choice) is the pattern's reference claim: `INSERT … ON CONFLICT DO NOTHING` inside
+//! the effect's transaction, then a **separate** `SELECT` when nothing was inserted. A
+//! conflicting insert waits for the other transaction; under READ COMMITTED the row it
+//! committed may be invisible to the INSERT's snapshot, but the next statement sees it.
+//! The winner's placeholder (response `NULL`) exists only inside its transaction; it is
+//! completed with the response just before `COMMIT`. Under REPEATABLE READ or
+//! SERIALIZABLE the waiting loser gets SQLSTATE 40001 instead; idem retries the whole
+//! transaction with the same key (40001 and 40P01, bounded, jittered). CockroachDB and
+//! YugabyteDB speak this protocol and are serializable by default, so they take that
+//! path (not tested here).
 //!
 //! # Bounded waits
 //!
@@ -29,7 +64,8 @@
 //! whatever set the session's value (configuration, role, startup options, or a `SET`
 //! on the pooled connection). On a single node the claim's `INSERT` does that itself
 //! when it inserted (`INSERT … ON CONFLICT DO NOTHING RETURNING set_config(…)`), so
-//! the bound costs no round trip of its own. On Citus a separate `SET
+//! the bound costs no round trip of its own (with the key lock, the `BEGIN` message
+//! takes the lock and gives the value back). On Citus a separate `SET
 //! LOCAL lock_timeout TO DEFAULT` follows the claim, which reaches the workers: there
 //! the effect gets the *default* back (the configuration's, role's or startup
 //! options' value, not a plain `SET` made earlier on the pooled session; the workers
@@ -56,7 +92,8 @@
 //! `1e16`, reorder keys and refuse `"\u0000"`), adds `expires_at` and backfills it
 //! as `created_at + 24 hours`.
 //!
-//! Effects receive a [`PgTx`] (`sqlx::Transaction`) and run their SQL on it:
+//! Effects receive a [`PgTx`] (idem's transaction on a pooled connection, counted by
+//! sqlx as its own) and run their SQL on it, as on a `sqlx::Transaction`:
 //! `sqlx::query("UPDATE …").execute(&mut **tx)`.
 //!
 //! # Phased runs and the outbox
@@ -84,6 +121,7 @@ pub mod error_codes;
 pub mod leader;
 mod runs;
 mod sql;
+mod tx;
 
 use std::error::Error as StdError;
 use std::str::FromStr;
@@ -91,7 +129,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::time::Duration;
 
-use idem_core::claim::{self, Begun, ClaimSteps, Existing};
+use idem_core::claim::{self, Begun, Capabilities, ClaimSteps, Existing};
 use idem_core::{
     Backend, Claim, Claimed, DbError, ErrorKind, Finish, Identity, Maintenance, Migration,
     PoolChecks, PoolOptions, Status, Stored, Table,
@@ -100,14 +138,12 @@ pub use sqlx;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgConnection;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-use sqlx::{Connection, Postgres, Row, SqlSafeStr};
+use sqlx::{Connection, Postgres, Row};
 
 pub use citus::{Placed, Placement};
 pub use error_codes::db_error;
 pub use leader::{PgHeld, PgLeaderLock};
-
-/// The transaction handed to effects.
-pub type PgTx = sqlx::Transaction<'static, Postgres>;
+pub use tx::PgTx;
 
 /// The migrations embedded from this crate's `migrations/` directory.
 pub const MIGRATIONS: &[Migration] = &[
@@ -142,8 +178,40 @@ pub struct PgBackend {
     /// (SQLSTATE 0A000): later purges of this backend and its clones use
     /// [`PurgeStyle::Distributed`] at once.
     row_locks_refused: Arc<AtomicBool>,
-    /// Whether the database runs Citus (`CITUS_*`), read at the first claim.
-    citus: Arc<AtomicU8>,
+    /// What runs behind the protocol (`FLAVOR_*`), read at the first claim.
+    flavor: Arc<AtomicU8>,
+    /// The OIDs of `idem_request_result` and `idem_processed_message`, read at the first
+    /// key-lock claim after the migrations.
+    table_oids: Arc<std::sync::OnceLock<[i64; 2]>>,
+    claim_style: ClaimStyle,
+}
+
+/// How a claim keeps concurrent calls with the same key (or message ID) apart until
+/// the first one ends. Either way the record's primary key is what finally refuses a
+/// second record, and every promise of the conformance suite holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ClaimStyle {
+    /// [`ClaimStyle::KeyLock`] on a single PostgreSQL server, [`ClaimStyle::Placeholder`]
+    /// on Citus, CockroachDB and YugabyteDB (found once per backend from
+    /// `pg_extension` and `version()`).
+    #[default]
+    Auto,
+    /// The claim takes a transaction-scoped advisory lock named by the identity
+    /// ([`idem_core::Identity::lock_key`]), bounded by the wait, and re-reads the
+    /// record; the record is written once, complete, by the statement that inserts it
+    /// just before `COMMIT`, and travels with the `COMMIT` in one message. A new request
+    /// costs one round trip more than its bare effect with the replay fast path (none
+    /// without), and one row written instead of a placeholder and its update (see
+    /// `docs/performance.md`). Needs `pg_advisory_xact_lock` on the server that runs the
+    /// transaction: a single server or a streaming primary. Not for Citus, whose
+    /// advisory locks are local to each node.
+    KeyLock,
+    /// The pattern's reference claim: `INSERT … ON CONFLICT DO NOTHING` of an unfinished
+    /// placeholder, a separate re-read after a conflict, and the completion `UPDATE`
+    /// before `COMMIT` (see the crate documentation). Works wherever the statements do,
+    /// Citus included.
+    Placeholder,
 }
 
 /// How `purge_batch` deletes a bounded batch of expired records.
@@ -222,8 +290,17 @@ impl PgBackend {
             pool,
             purge: PurgeStyle::default(),
             row_locks_refused: Arc::new(AtomicBool::new(false)),
-            citus: Arc::new(AtomicU8::new(CITUS_UNKNOWN)),
+            flavor: Arc::new(AtomicU8::new(FLAVOR_UNKNOWN)),
+            table_oids: Arc::new(std::sync::OnceLock::new()),
+            claim_style: ClaimStyle::default(),
         }
+    }
+
+    /// Chooses how claims keep concurrent calls apart (see [`ClaimStyle`]; the default,
+    /// [`ClaimStyle::Auto`], fits the server).
+    pub fn with_claim_style(mut self, style: ClaimStyle) -> Self {
+        self.claim_style = style;
+        self
     }
 
     /// Chooses how purges delete (see [`PurgeStyle`]; [`PurgeStyle::Distributed`] for
@@ -263,13 +340,22 @@ fn lock_timeout_ms(wait: Duration) -> u128 {
         .clamp(1, i32::MAX as u128)
 }
 
-/// Whether the database runs Citus: not yet known, no, yes.
-const CITUS_UNKNOWN: u8 = 0;
-const CITUS_NO: u8 = 1;
-const CITUS_YES: u8 = 2;
+/// Retention as whole microseconds for the key-lock completion, clamped like [`secs`].
+fn micros(d: Duration) -> i64 {
+    const MAX_MICROS: u128 = 1000 * 36_525 * 864_000_000;
+    i64::try_from(d.as_micros().min(MAX_MICROS)).unwrap_or(i64::MAX)
+}
+
+/// What runs behind the protocol: not yet known, a single PostgreSQL server, Citus,
+/// CockroachDB or YugabyteDB.
+const FLAVOR_UNKNOWN: u8 = 0;
+const FLAVOR_SINGLE: u8 = 1;
+const FLAVOR_CITUS: u8 = 2;
+const FLAVOR_OTHER: u8 = 3;
 
 /// A claim's open transaction, and whether the effect already has the session's own
-/// `lock_timeout` back (a single-node claim write restores it in the same statement).
+/// `lock_timeout` back (a key lock's `BEGIN` or a single-node claim write restores it in
+/// the same message).
 #[derive(Debug)]
 pub struct PgOpen {
     tx: PgTx,
@@ -285,20 +371,67 @@ struct PgClaim<'a> {
 }
 
 impl PgBackend {
-    /// Whether this database runs Citus, asked once per backend (on `conn`).
-    async fn on_citus(&self, conn: &mut PgConnection) -> Result<bool, DbError> {
-        match self.citus.load(Ordering::Relaxed) {
-            CITUS_NO => Ok(false),
-            CITUS_YES => Ok(true),
-            _ => {
-                let yes: bool = sqlx::query_scalar(sql::CITUS_INSTALLED)
+    /// What runs behind the protocol (`FLAVOR_*`), asked once per backend (on `conn`).
+    async fn flavor(&self, conn: &mut PgConnection) -> Result<u8, DbError> {
+        match self.flavor.load(Ordering::Relaxed) {
+            FLAVOR_UNKNOWN => {
+                let (citus, version): (bool, String) = sqlx::query_as(sql::FLAVOR)
                     .fetch_one(conn)
                     .await
                     .map_err(db_error)?;
-                self.citus
-                    .store(if yes { CITUS_YES } else { CITUS_NO }, Ordering::Relaxed);
-                Ok(yes)
+                let flavor = if citus {
+                    FLAVOR_CITUS
+                } else if version.contains("CockroachDB") || version.contains("-YB-") {
+                    FLAVOR_OTHER
+                } else {
+                    FLAVOR_SINGLE
+                };
+                self.flavor.store(flavor, Ordering::Relaxed);
+                Ok(flavor)
             }
+            known => Ok(known),
+        }
+    }
+
+    /// Whether this database runs Citus, asked once per backend (on `conn`).
+    async fn on_citus(&self, conn: &mut PgConnection) -> Result<bool, DbError> {
+        Ok(self.flavor(conn).await? == FLAVOR_CITUS)
+    }
+
+    /// The key lock's name for `id`: its [`Identity::lock_key`] with the OID of its
+    /// record table (as this backend's sessions find it) mixed into the high half, so
+    /// that idem's tables in two schemas of one database never share a lock. The OIDs
+    /// are read once, after the migrations; before them (no tables) the name goes
+    /// without, and the claim's re-read then says the table is missing.
+    async fn lock_name(&self, conn: &mut PgConnection, id: &Identity<'_>) -> Result<i64, DbError> {
+        let oids = match self.table_oids.get() {
+            Some(oids) => *oids,
+            None => {
+                let (requests, messages): (Option<i64>, Option<i64>) =
+                    sqlx::query_as(sql::TABLE_OIDS)
+                        .fetch_one(conn)
+                        .await
+                        .map_err(db_error)?;
+                match (requests, messages) {
+                    (Some(r), Some(m)) => *self.table_oids.get_or_init(|| [r, m]),
+                    _ => [0, 0],
+                }
+            }
+        };
+        let oid = match id {
+            Identity::Request { .. } => oids[0],
+            Identity::Message { .. } => oids[1],
+        };
+        Ok(i64::from_be_bytes(id.lock_key().to_be_bytes()) ^ (oid << 32))
+    }
+
+    /// Whether claims take the key lock ([`ClaimStyle`]), once the flavor is known.
+    fn key_lock(&self) -> bool {
+        let flavor = self.flavor.load(Ordering::Relaxed);
+        match self.claim_style {
+            ClaimStyle::Placeholder => false,
+            ClaimStyle::KeyLock => flavor != FLAVOR_CITUS,
+            ClaimStyle::Auto => flavor == FLAVOR_SINGLE,
         }
     }
 
@@ -358,14 +491,9 @@ impl PgBackend {
     ) -> Result<PgTx, DbError> {
         let ms = lock_timeout_ms(wait);
         if !self.on_citus(&mut conn).await? {
-            let begin = sqlx::AssertSqlSafe(single(ms)).into_sql_str();
-            return sqlx::Transaction::begin(conn, Some(begin))
-                .await
-                .map_err(db_error);
+            return PgTx::begin(conn, Some(single(ms))).await;
         }
-        let mut tx = sqlx::Transaction::begin(conn, None)
-            .await
-            .map_err(db_error)?;
+        let mut tx = PgTx::begin(conn, None).await?;
         let bound = sqlx::raw_sql(sqlx::AssertSqlSafe(sql::bound_citus(ms)))
             .execute(&mut *tx)
             .await;
@@ -380,11 +508,14 @@ impl PgBackend {
 
     /// Whether a claim write may restore `lock_timeout` itself (not on Citus).
     fn restores_in_write(&self) -> bool {
-        self.citus.load(Ordering::Relaxed) == CITUS_NO
+        self.flavor.load(Ordering::Relaxed) != FLAVOR_CITUS
     }
 }
 
-/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. A conflict is an
+/// The claim's steps; the decision tree is [`idem_core::claim::run`]'s. With the key lock
+/// the claim is read-first (the lock serializes the claims of one identity, as SQLite's
+/// `BEGIN IMMEDIATE` serializes its writers): `BEGIN` takes the lock, the re-read
+/// decides, and the record is written at completion. With a placeholder a conflict is an
 /// `INSERT` that inserted nothing (no error), and the re-read is a separate statement.
 impl ClaimSteps for PgClaim<'_> {
     type Open = PgOpen;
@@ -394,12 +525,27 @@ impl ClaimSteps for PgClaim<'_> {
         "postgres"
     }
 
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::new().read_first(self.backend.key_lock())
+    }
+
     async fn begin(&self, claim: &Claim<'_>) -> Result<Begun<PgOpen>, DbError> {
         let held = self.conn.lock().ok().and_then(|mut c| c.take());
-        let conn = match held {
+        let mut conn = match held {
             Some(conn) => conn,
             None => self.backend.pool.acquire().await.map_err(db_error)?,
         };
+        self.backend.flavor(&mut conn).await?;
+        if self.backend.key_lock() {
+            let lock = self.backend.lock_name(&mut conn, &claim.id).await?;
+            let begin = sql::begin_key_lock(lock_timeout_ms(claim.wait), lock);
+            return match PgTx::begin(conn, Some(begin)).await {
+                Ok(tx) => Ok(Begun::Open(PgOpen { tx, restored: true })),
+                // Another call holds the key past the bound (rolled back already).
+                Err(e) if e.code() == Some(error_codes::LOCK_NOT_AVAILABLE) => Ok(Begun::InFlight),
+                Err(e) => Err(e),
+            };
+        }
         let tx = self
             .backend
             .begin_bounded_on(conn, claim.wait, sql::begin_claim)
@@ -422,6 +568,9 @@ impl ClaimSteps for PgClaim<'_> {
     }
 
     async fn reread(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
+        if self.backend.key_lock() {
+            return reread_locked(open, claim).await;
+        }
         let (row, expired_column) = match claim.id {
             Identity::Request { scope, key } => (
                 sqlx::query(sql::SELECT_REQUEST)
@@ -450,15 +599,7 @@ impl ClaimSteps for PgClaim<'_> {
         if row.try_get::<bool, _>(expired_column).map_err(db_error)? {
             return Ok(Existing::Expired);
         }
-        let stored = match claim.id {
-            Identity::Request { .. } => stored_request(&row)?,
-            Identity::Message { .. } => Stored {
-                request: row.try_get(0).map_err(db_error)?,
-                response: None,
-                status: Status::Succeeded,
-            },
-        };
-        Ok(Existing::Live(stored))
+        live(&row, claim).map(Existing::Live)
     }
 
     async fn replace_expired(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<bool, DbError> {
@@ -497,14 +638,100 @@ impl ClaimSteps for PgClaim<'_> {
     }
 
     async fn rollback(&self, open: PgOpen) -> Result<(), DbError> {
-        // `SET LOCAL` ends with the transaction. A failed rollback closes the connection,
-        // which rolls back on the server.
-        open.tx.rollback().await.map_err(db_error)
+        // Queued, as sqlx does for a dropped transaction: the `ROLLBACK` travels with the
+        // pool's check of the returned connection (no round trip of its own), and a
+        // connection whose check fails is closed, which rolls back on the server. `SET
+        // LOCAL`, the key lock and `idem.claimed_at` end with the transaction.
+        drop(open);
+        Ok(())
     }
 
     fn waited_too_long(&self, error: &DbError) -> bool {
         error.code() == Some(error_codes::LOCK_NOT_AVAILABLE)
     }
+}
+
+/// A live record's columns (request: request, response, status; message: fingerprint).
+fn live(row: &sqlx::postgres::PgRow, claim: &Claim<'_>) -> Result<Stored, DbError> {
+    match claim.id {
+        Identity::Request { .. } => stored_request(row),
+        Identity::Message { .. } => Ok(Stored {
+            request: row.try_get(0).map_err(db_error)?,
+            response: None,
+            status: Status::Succeeded,
+        }),
+    }
+}
+
+/// The key-lock claim's re-read ([`sql::SELECT_REQUEST_LOCKED`]): one row, whatever the
+/// table holds. A claim that may decide on a snapshot older than the wait for its key is
+/// a serialization failure; a won claim keeps its times for the completion.
+async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
+    let retention = micros(claim.retention);
+    let (row, expired_column) = match claim.id {
+        Identity::Request { scope, key } => (
+            sqlx::query(sql::SELECT_REQUEST_LOCKED)
+                .bind(scope.principal.as_str())
+                .bind(scope.operation.as_str())
+                .bind(key.as_str())
+                .bind(retention)
+                .fetch_one(&mut *open.tx)
+                .await,
+            3,
+        ),
+        Identity::Message {
+            subscriber,
+            message_id,
+        } => (
+            sqlx::query(sql::SELECT_MESSAGE_LOCKED)
+                .bind(subscriber.as_str())
+                .bind(message_id.as_str())
+                .bind(retention)
+                .fetch_one(&mut *open.tx)
+                .await,
+            1,
+        ),
+    };
+    let row = row.map_err(db_error)?;
+    // After `expired`: absent, stale, then the three times.
+    let absent: bool = row.try_get(expired_column + 1).map_err(db_error)?;
+    let stale = row
+        .try_get::<Option<bool>, _>(expired_column + 2)
+        .map_err(db_error)?
+        .unwrap_or(false);
+    let expired = !absent && row.try_get::<bool, _>(expired_column).map_err(db_error)?;
+    if !absent && !expired {
+        return live(&row, claim).map(Existing::Live);
+    }
+    if stale {
+        // A winner may have committed while this transaction waited for the key, after
+        // its snapshot: decide in a new transaction, as the server's own 40001 makes
+        // the placeholder claim do.
+        return Err(DbError::new(
+            "postgres",
+            ErrorKind::SerializationFailure,
+            "the key was held by another transaction while this one waited, and \
+             REPEATABLE READ or SERIALIZABLE keeps the snapshot taken before the wait; \
+             claiming again in a new transaction",
+        ));
+    }
+    let time = |i: usize| {
+        row.try_get::<String, _>(expired_column + 3 + i)
+            .map_err(db_error)
+    };
+    let times = sql::ClaimTimes::new(time(0)?, time(1)?, time(2)?).ok_or_else(|| {
+        DbError::new(
+            "postgres",
+            ErrorKind::Other,
+            "the server wrote the claim's times in an unexpected shape (is this PostgreSQL?)",
+        )
+    })?;
+    open.tx.key_lock = Some((times, expired));
+    Ok(if expired {
+        Existing::Expired
+    } else {
+        Existing::Vanished
+    })
 }
 
 impl PgBackend {
@@ -546,6 +773,37 @@ impl PgBackend {
                 })
                 .transpose(),
         }
+    }
+}
+
+/// The error of a key-lock completion whose message failed (its `COMMIT` did not run):
+/// the guard's code and column (see `sql::complete_request_locked`) name the reason.
+fn locked_completion_error(e: sqlx::Error) -> DbError {
+    let (code, column) = match &e {
+        sqlx::Error::Database(d) => (
+            d.code().map(|c| c.into_owned()),
+            d.try_downcast_ref::<sqlx::postgres::PgDatabaseError>()
+                .and_then(|p| p.column())
+                .map(str::to_owned),
+        ),
+        _ => (None, None),
+    };
+    match (code.as_deref(), column.as_deref()) {
+        (Some(error_codes::NOT_NULL_VIOLATION), Some("request_key" | "message_id")) => {
+            not_completed(None)
+        }
+        (Some(error_codes::NOT_NULL_VIOLATION), Some("created_at" | "processed_at")) => {
+            not_completed(Some(true))
+        }
+        (Some(error_codes::NOT_NULL_VIOLATION), Some("principal" | "subscriber"))
+        | (Some(error_codes::UNIQUE_VIOLATION), _) => DbError::new(
+            "postgres",
+            ErrorKind::Transient,
+            "a live record of this key was committed by a session that does not take idem's \
+             key lock (an earlier idem, or SQL of the application's own); nothing was \
+             stored, and the retry replays that record",
+        ),
+        _ => db_error(e),
     }
 }
 
@@ -604,9 +862,53 @@ impl Backend for PgBackend {
         end: Finish<'_>,
     ) -> Result<(), DbError> {
         let (response, status) = match end {
-            Finish::Rollback => return tx.rollback().await.map_err(db_error),
+            Finish::Rollback => return tx.rollback().await,
             Finish::Commit { response, status } => (response, status),
         };
+        if self.key_lock() {
+            // The record, complete, and the COMMIT in one message.
+            let Some((times, replace)) = tx.key_lock.take() else {
+                let _ = tx.rollback().await;
+                return Err(DbError::new(
+                    "postgres",
+                    ErrorKind::Other,
+                    "internal: a key-lock completion without its claim's times (a bug in \
+                     idem-postgres; rolled back, nothing stored)",
+                ));
+            };
+            let message = match claim.id {
+                Identity::Request { scope, key } => sql::complete_request_locked(
+                    [
+                        scope.principal.as_str(),
+                        scope.operation.as_str(),
+                        key.as_str(),
+                    ],
+                    claim.request,
+                    response,
+                    status.code(),
+                    &times,
+                    replace,
+                ),
+                Identity::Message {
+                    subscriber,
+                    message_id,
+                } => sql::complete_message_locked(
+                    [subscriber.as_str(), message_id.as_str()],
+                    claim.request,
+                    &times,
+                    replace,
+                ),
+            };
+            return match tx.commit_with(message).await {
+                Ok(()) => Ok(()),
+                Err((tx, e)) => {
+                    // A lost reply is an unknown outcome (the retry re-reads); any other
+                    // error stopped the message before its COMMIT.
+                    let _ = tx.rollback().await;
+                    Err(locked_completion_error(e))
+                }
+            };
+        }
         let checked = match claim.id {
             Identity::Request { scope, key } => {
                 let (p, o, k) = (
@@ -655,7 +957,7 @@ impl Backend for PgBackend {
             }
         };
         match checked {
-            Ok(()) => tx.commit().await.map_err(db_error),
+            Ok(()) => tx.commit().await,
             Err(e) => {
                 let _ = tx.rollback().await;
                 Err(e)

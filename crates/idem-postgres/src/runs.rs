@@ -41,17 +41,20 @@ impl RunStore for PgBackend {
                 let conn = self.pool().acquire().await.map_err(db_error)?;
                 self.begin_bounded_on(conn, wait, sql::begin_bounded).await
             }
-            None => self.pool().begin().await.map_err(db_error),
+            None => {
+                let conn = self.pool().acquire().await.map_err(db_error)?;
+                PgTx::begin(conn, None).await
+            }
         }
     }
 
     async fn commit_runs(&self, tx: PgTx) -> Result<(), DbError> {
-        tx.commit().await.map_err(db_error)
+        tx.commit().await
     }
 
     async fn rollback_runs(&self, tx: PgTx) -> Result<(), DbError> {
         // A failed rollback closes the connection, which rolls back on the server.
-        tx.rollback().await.map_err(db_error)
+        tx.rollback().await
     }
 
     async fn insert_run(

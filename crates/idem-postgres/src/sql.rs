@@ -54,6 +54,230 @@ pub(crate) fn begin_bounded(ms: u128) -> String {
 pub(crate) fn bound_citus(ms: u128) -> String {
     format!("{}{ms}ms'", bound_citus!())
 }
+/// A claim's `BEGIN` on a single node with the key lock (`ClaimStyle::KeyLock`), one
+/// message with integers only, all formatted by the backend (never user data), three
+/// statements: `BEGIN`; the session's own `lock_timeout` kept in the transaction-local
+/// `idem.lock_timeout`, then the bound set (one `SELECT`, its target list evaluated in
+/// order); the transaction-scoped advisory lock `lock` taken, waiting at most the bound
+/// (SQLSTATE 55P03 when it runs out), then the session's value back. A lock that did
+/// not come at once sets the transaction-local `idem.waited` (see
+/// [`SELECT_REQUEST_LOCKED`]). The tests that the effect keeps the session's own value
+/// and that a held key answers within the bound check that order.
+pub(crate) fn begin_key_lock(ms: u128, lock: i64) -> String {
+    format!(
+        "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true), \
+         set_config('lock_timeout', '{ms}ms', true); \
+         SELECT CASE WHEN pg_try_advisory_xact_lock({lock}) THEN '' \
+         ELSE set_config('idem.waited', pg_advisory_xact_lock({lock})::text || 'yes', true) END, \
+         set_config('lock_timeout', current_setting('idem.lock_timeout'), true)"
+    )
+}
+
+/// The OIDs of idem's record tables, as the session's `search_path` finds them
+/// (`NULL` before the migrations): the key lock's name mixes them in.
+pub(crate) const TABLE_OIDS: &str = "SELECT to_regclass('idem_request_result')::oid::bigint, \
+     to_regclass('idem_processed_message')::oid::bigint";
+
+/// Whether the re-read after a key lock may not see a winner that committed while this
+/// transaction waited for the lock: under REPEATABLE READ or SERIALIZABLE the snapshot
+/// was taken by the `BEGIN` message's first `SELECT`, before the wait.
+macro_rules! stale_snapshot {
+    () => {
+        "current_setting('idem.waited', true) = 'yes' AND current_setting('transaction_isolation') <> 'read committed' AS stale"
+    };
+}
+/// A timestamp as ISO 8601 text in UTC with microseconds (`2026-12-01T22:48:53.123456Z`),
+/// which `timestamptz` reads back exactly whatever the session's `DateStyle` and
+/// `TimeZone`.
+macro_rules! iso_utc {
+    ($t:expr) => {
+        concat!(
+            "to_char((",
+            $t,
+            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+        )
+    };
+}
+/// The claim's times, read by the key-lock re-read for the completion: the transaction's
+/// start (`now()`: the completion's guard that it still runs in this transaction), the
+/// claim time (the database clock after the lock's wait) and the record's expiry
+/// (the claim time + the retention, `$n` µs).
+macro_rules! claim_times {
+    ($n:literal) => {
+        concat!(
+            iso_utc!("now()"),
+            " AS begun, ",
+            iso_utc!("clock_timestamp()"),
+            " AS claimed, ",
+            iso_utc!(concat!(
+                "clock_timestamp() + $",
+                $n,
+                " * interval '1 microsecond'"
+            )),
+            " AS expires"
+        )
+    };
+}
+/// The key-lock claim's re-read: always one row, the record's columns (`NULL` when there
+/// is none), whether it expired, whether it is absent, [`stale_snapshot!`] and
+/// [`claim_times!`]. Params: principal, operation, key, retention (µs).
+pub(crate) const SELECT_REQUEST_LOCKED: &str = concat!(
+    "SELECT r.request, r.response, r.status, r.expires_at <= clock_timestamp() AS expired, r.expires_at IS NULL AS absent, ",
+    stale_snapshot!(),
+    ", ",
+    claim_times!(4),
+    " FROM (SELECT) AS one LEFT JOIN idem_request_result AS r ON r.principal = $1 AND r.operation = $2 AND r.request_key = $3"
+);
+/// [`SELECT_REQUEST_LOCKED`] for messages: fingerprint, expired, absent, stale, times.
+/// Params: subscriber, message ID, retention (µs).
+pub(crate) const SELECT_MESSAGE_LOCKED: &str = concat!(
+    "SELECT m.fingerprint, m.expires_at <= clock_timestamp() AS expired, m.expires_at IS NULL AS absent, ",
+    stale_snapshot!(),
+    ", ",
+    claim_times!(3),
+    " FROM (SELECT) AS one LEFT JOIN idem_processed_message AS m ON m.subscriber = $1 AND m.message_id = $2"
+);
+
+/// `bytes` as hex digits.
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        out.push(char::from(DIGITS[usize::from(b >> 4)]));
+        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
+    }
+    out
+}
+
+/// A text value written into a simple query (which binds nothing): its UTF-8 bytes as
+/// hex digits, so only `[0-9a-f]` of user data ever reaches the SQL text (nothing is
+/// quoted or escaped, whatever `standard_conforming_strings` says), and the server
+/// converts it to the database's encoding as it does a bound value.
+pub(crate) fn text_literal(value: &str) -> String {
+    format!(
+        "convert_from(decode('{}', 'hex'), 'UTF8')",
+        hex(value.as_bytes())
+    )
+}
+
+fn optional_literal(value: Option<&str>) -> String {
+    value.map_or_else(|| "NULL".to_owned(), text_literal)
+}
+
+/// The times a key-lock claim read ([`SELECT_REQUEST_LOCKED`]), for its completion.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ClaimTimes {
+    /// The transaction's start.
+    pub(crate) begun: String,
+    /// The claim time: the record's `created_at`.
+    pub(crate) claimed: String,
+    /// The record's `expires_at`.
+    pub(crate) expires: String,
+}
+
+impl ClaimTimes {
+    /// The three times as the server wrote them, refused unless each is exactly the
+    /// [`iso_utc!`] shape (they are written into SQL text).
+    pub(crate) fn new(begun: String, claimed: String, expires: String) -> Option<Self> {
+        let iso = |t: &str| {
+            t.len() == 27
+                && t.bytes().enumerate().all(|(i, b)| match i {
+                    4 | 7 => b == b'-',
+                    10 => b == b'T',
+                    13 | 16 => b == b':',
+                    19 => b == b'.',
+                    26 => b == b'Z',
+                    _ => b.is_ascii_digit(),
+                })
+        };
+        (iso(&begun) && iso(&claimed) && iso(&expires)).then_some(Self {
+            begun,
+            claimed,
+            expires,
+        })
+    }
+}
+
+/// The key-lock completion of a request and its `COMMIT`, one message: the record is
+/// written once, complete, by the statement that inserts it. Every guard that fails
+/// stops the `INSERT` with an error, so the `COMMIT` after it never runs; the error says
+/// which guard (its code and column: structured fields, never message text):
+///
+/// - 23502 on `request_key`: `now()` is no longer the claiming transaction's start, that
+///   transaction ended (the effect ran its own `COMMIT` or `ROLLBACK`);
+/// - 23502 on `created_at`: the record would be born expired, its retention ran out
+///   while the effect ran;
+/// - 23505 (or, replacing an expired record, 23502 on `principal`): a live record of the
+///   key exists, written by a session that did not take the key lock (an earlier idem,
+///   or SQL of the application's own).
+///
+/// `replace` (the re-read found an expired record) adds `ON CONFLICT … DO UPDATE` of
+/// that record only; a new key is a plain `INSERT`, which the server analyses and plans
+/// for much less. The trailing `BEGIN` opens an empty transaction for sqlx's queued
+/// `ROLLBACK` to end (see `PgTx::commit_with`). Values: hex literals ([`text_literal`]),
+/// the times the re-read wrote ([`ClaimTimes`]), the status formatted by the backend.
+pub(crate) fn complete_request_locked(
+    key: [&str; 3],
+    request: Option<&str>,
+    response: Option<&str>,
+    status: i16,
+    times: &ClaimTimes,
+    replace: bool,
+) -> String {
+    let [principal, operation, request_key] = key.map(text_literal);
+    let (request, response) = (optional_literal(request), optional_literal(response));
+    let ClaimTimes {
+        begun,
+        claimed,
+        expires,
+    } = times;
+    let upsert = if replace {
+        " ON CONFLICT (principal, operation, request_key) DO UPDATE SET \
+         principal = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.principal END, \
+         request = excluded.request, response = excluded.response, status = excluded.status, \
+         created_at = excluded.created_at, expires_at = excluded.expires_at"
+    } else {
+        ""
+    };
+    format!(
+        "INSERT INTO idem_request_result AS r (principal, operation, request_key, request, response, status, created_at, expires_at) \
+         VALUES ({principal}, {operation}, CASE WHEN now() = '{begun}' THEN {request_key} END, {request}, {response}, {status}, \
+         CASE WHEN statement_timestamp() < '{expires}' THEN '{claimed}'::timestamptz END, '{expires}'){upsert}; COMMIT; BEGIN"
+    )
+}
+
+/// The key-lock completion of a message and its `COMMIT`, as
+/// [`complete_request_locked`]; the guards' columns: `message_id` (the transaction
+/// ended), `processed_at` (expired while the effect ran), `subscriber` (replacing: a live
+/// record written without the key lock).
+pub(crate) fn complete_message_locked(
+    key: [&str; 2],
+    fingerprint: Option<&str>,
+    times: &ClaimTimes,
+    replace: bool,
+) -> String {
+    let [subscriber, message_id] = key.map(text_literal);
+    let fingerprint = optional_literal(fingerprint);
+    let ClaimTimes {
+        begun,
+        claimed,
+        expires,
+    } = times;
+    let upsert = if replace {
+        " ON CONFLICT (subscriber, message_id) DO UPDATE SET \
+         subscriber = CASE WHEN m.expires_at <= statement_timestamp() THEN excluded.subscriber END, \
+         fingerprint = excluded.fingerprint, processed_at = excluded.processed_at, \
+         expires_at = excluded.expires_at"
+    } else {
+        ""
+    };
+    format!(
+        "INSERT INTO idem_processed_message AS m (subscriber, message_id, fingerprint, processed_at, expires_at) \
+         VALUES ({subscriber}, CASE WHEN now() = '{begun}' THEN {message_id} END, {fingerprint}, \
+         CASE WHEN statement_timestamp() < '{expires}' THEN '{claimed}'::timestamptz END, '{expires}'){upsert}; COMMIT; BEGIN"
+    )
+}
+
 /// On Citus, once the claim is won: the effect gets the default `lock_timeout` back, on
 /// the coordinator and (propagated) on the workers. On a single node the claim's write
 /// restores the session's exact value instead (see `then_restore!`).
@@ -181,10 +405,11 @@ pub(crate) const LOOKUP_MESSAGE: &str = concat!(
     " AND expires_at > clock_timestamp()"
 );
 
-/// Whether this database runs Citus (read once per backend): the claim then sends its
-/// writes and the restore of `lock_timeout` as separate statements.
-pub(crate) const CITUS_INSTALLED: &str =
-    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus')";
+/// What runs behind the PostgreSQL protocol (read once per backend): whether Citus is
+/// installed (the claim then sends its writes and the restore of `lock_timeout` as
+/// separate statements), and `version()` (CockroachDB and YugabyteDB say so there).
+pub(crate) const FLAVOR: &str =
+    "SELECT EXISTS (SELECT 1 FROM pg_catalog.pg_extension WHERE extname = 'citus'), version()";
 
 /// Records that are expired **and** were claimed at least `$1` seconds ago, oldest
 /// expiry first; rows locked by a live transaction are skipped. Params: older than (s),
@@ -504,6 +729,8 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("insert_request", INSERT_REQUEST),
     ("insert_request_restore", INSERT_REQUEST_RESTORE),
     ("select_request", SELECT_REQUEST),
+    ("select_request_locked", SELECT_REQUEST_LOCKED),
+    ("select_message_locked", SELECT_MESSAGE_LOCKED),
     ("replace_expired_request", REPLACE_EXPIRED_REQUEST),
     (
         "replace_expired_request_restore",
@@ -522,7 +749,8 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ),
     ("expired_message", EXPIRED_MESSAGE),
     ("lookup_message", LOOKUP_MESSAGE),
-    ("citus_installed", CITUS_INSTALLED),
+    ("flavor", FLAVOR),
+    ("table_oids", TABLE_OIDS),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
     ("purge_requests_distributed", PURGE_REQUESTS_DISTRIBUTED),
@@ -563,6 +791,39 @@ pub(crate) const ALL: &[(&str, &str)] = &[
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn literals_carry_only_hex_digits_of_user_data() {
+        let lit = super::text_literal("k'); DROP TABLE x; -- \\ é");
+        let inner = lit
+            .strip_prefix("convert_from(decode('")
+            .and_then(|s| s.strip_suffix("', 'hex'), 'UTF8')"))
+            .expect("the literal's shape");
+        assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()), "{lit}");
+        assert_eq!(inner.len() % 2, 0);
+        assert_eq!(
+            super::text_literal(""),
+            "convert_from(decode('', 'hex'), 'UTF8')"
+        );
+        assert_eq!(super::hex(&[0x00, 0x7f, 0xff]), "007fff");
+    }
+
+    #[test]
+    fn claim_times_are_only_ever_iso_timestamps() {
+        let ok = "2026-12-01T22:48:53.123456Z";
+        assert!(super::ClaimTimes::new(ok.into(), ok.into(), ok.into()).is_some());
+        for bad in [
+            "2026-12-01 22:48:53.123456+00",
+            "2026-12-01T22:48:53.123456Z'; --",
+            "2026-12-01T22:48:53Z",
+            "",
+        ] {
+            assert!(
+                super::ClaimTimes::new(ok.into(), bad.into(), ok.into()).is_none(),
+                "{bad:?}"
+            );
+        }
+    }
+
     #[test]
     fn distributed_purges_take_no_row_locks() {
         for sql in [
@@ -640,8 +901,35 @@ mod tests {
 
     #[test]
     fn statements_snapshot() {
+        let times = super::ClaimTimes::new(
+            "2026-12-01T22:48:53.123456Z".into(),
+            "2026-12-01T22:48:53.234567Z".into(),
+            "2026-12-02T22:48:53.234567Z".into(),
+        )
+        .expect("ISO times");
+        let request = |replace| {
+            super::complete_request_locked(
+                ["account-1", "debit:v1", "k'); DROP TABLE x; --"],
+                Some(r#"{"amount":100}"#),
+                Some(r#"{"balance":900}"#),
+                0,
+                &times,
+                replace,
+            )
+        };
+        let message =
+            |replace| super::complete_message_locked(["projection", "m-1"], None, &times, replace);
+        let built = [
+            ("begin_key_lock", super::begin_key_lock(250, -7)),
+            ("complete_request_locked", request(false)),
+            ("complete_request_locked_replacing", request(true)),
+            ("complete_message_locked", message(false)),
+            ("complete_message_locked_replacing", message(true)),
+        ];
         let text: String = super::ALL
             .iter()
+            .map(|(name, sql)| (*name, (*sql).to_owned()))
+            .chain(built.iter().map(|(name, sql)| (*name, sql.clone())))
             .map(|(name, sql)| format!("-- {name}\n{sql};\n\n"))
             .collect();
         insta::assert_snapshot!(text);

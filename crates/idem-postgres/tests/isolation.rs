@@ -1,5 +1,8 @@
-//! Under REPEATABLE READ a waiting loser gets SQLSTATE 40001 instead of seeing the
-//! winner's row; idem classifies it and retries the whole transaction with the same key.
+//! Under REPEATABLE READ a waiting loser cannot see the winner's row: with a placeholder
+//! claim the server answers SQLSTATE 40001; with the key lock (the default on a single
+//! server) the loser knows it waited with a snapshot taken before the wait and answers a
+//! serialization failure itself, before any effect. Either way idem classifies it and
+//! retries the whole transaction with the same key, and the effect runs once.
 //! Needs PostgreSQL (`IDEM_POSTGRES_URL`, default the local server); fails if unreachable.
 
 #![allow(clippy::unwrap_used)] // test helpers: a failed setup should stop the test loudly
@@ -14,14 +17,14 @@ use idem_core::{
     Scope,
 };
 use idem_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use idem_postgres::{PgBackend, db_error, sqlx};
+use idem_postgres::{ClaimStyle, PgBackend, db_error, sqlx};
 
 fn url() -> String {
     std::env::var("IDEM_POSTGRES_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into())
 }
 
-async fn repeatable_read_backend(schema: &str) -> PgBackend {
+async fn repeatable_read_backend(schema: &str, style: ClaimStyle) -> PgBackend {
     let options = PgConnectOptions::from_str(&url()).unwrap();
     let admin = PgPoolOptions::new()
         .max_connections(1)
@@ -38,7 +41,10 @@ async fn repeatable_read_backend(schema: &str) -> PgBackend {
         ("search_path", schema),
         ("default_transaction_isolation", "repeatable read"),
     ]);
-    let backend = PgBackend::connect_with(options, 20).await.unwrap();
+    let backend = PgBackend::connect_with(options, 20)
+        .await
+        .unwrap()
+        .with_claim_style(style);
     backend.migrate().await.unwrap();
     backend
 }
@@ -87,8 +93,22 @@ async fn race(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn serialization_failures_are_classified_and_retried() {
-    let backend = repeatable_read_backend("idem_t_isolation_rr").await;
+async fn serialization_failures_are_classified_and_retried_with_the_key_lock() {
+    serialization_failures_are_classified_and_retried(ClaimStyle::KeyLock, "idem_t_isolation_rr")
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn serialization_failures_are_classified_and_retried_with_a_placeholder() {
+    serialization_failures_are_classified_and_retried(
+        ClaimStyle::Placeholder,
+        "idem_t_isolation_rr_placeholder",
+    )
+    .await;
+}
+
+async fn serialization_failures_are_classified_and_retried(style: ClaimStyle, schema: &str) {
+    let backend = repeatable_read_backend(schema, style).await;
 
     // Without retries, the losers' 40001 surfaces, classified by its code.
     let no_retry = RetryPolicy {
@@ -107,12 +127,12 @@ async fn serialization_failures_are_classified_and_retried() {
         .count();
     let serialization = results
         .iter()
-        .filter(|r| matches!(r, Err(Error::RetriesExhausted { last, .. }) if last.kind() == ErrorKind::SerializationFailure && last.code() == Some("40001")))
+        .filter(|r| matches!(r, Err(Error::RetriesExhausted { last, .. }) if last.kind() == ErrorKind::SerializationFailure && last.code().is_none_or(|c| c == "40001")))
         .count();
     assert_eq!(executed, 1, "{results:?}");
     assert!(
         serialization >= 1,
-        "expected 40001 for the waiting losers: {results:?}"
+        "expected serialization failures for the waiting losers: {results:?}"
     );
     assert_eq!(
         executed
@@ -158,7 +178,7 @@ async fn serialization_failures_are_classified_and_retried() {
         .await
         .unwrap();
     backend.pool().close().await;
-    sqlx::raw_sql("DROP SCHEMA idem_t_isolation_rr CASCADE")
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {schema} CASCADE")))
         .execute(&admin)
         .await
         .unwrap();
