@@ -72,10 +72,18 @@ impl Shape {
         claim: |table, key| stmt("INSERT", table, key),
         complete: |table, key| stmt("UPDATE", table, key),
     };
-    /// PostgreSQL's key lock: the re-read claims, the record's `INSERT` completes.
+    /// PostgreSQL's key lock: the re-read claims; the session's prepared completion
+    /// (`EXECUTE idem_cr_…` for requests, `idem_cm_…` for messages) completes.
     pub(crate) const KEY_LOCK: Self = Self {
         claim: |table, key| stmt("SELECT", table, key).with("LEFT JOIN"),
-        complete: |table, key| stmt("INSERT", table, key),
+        complete: |table, key| {
+            let name = if table == "idem_request_result" {
+                "idem_cr_"
+            } else {
+                "idem_cm_"
+            };
+            Marker::kind("EXECUTE").with(name).with(key)
+        },
     };
 }
 

@@ -205,6 +205,14 @@ enum Command {
         /// Run the idem paths without the replay fast path (`Idem::with_fast_path(false)`).
         #[arg(long)]
         no_fast_path: bool,
+        /// PostgreSQL: how claims keep concurrent calls apart (`PgBackend::with_claim_style`):
+        /// auto (the key lock on a single server), key-lock or placeholder.
+        #[arg(long, value_enum, default_value = "auto")]
+        claim: bench::ClaimChoice,
+        /// Only these paths, by letter (for example b,a); every path by default. The
+        /// ratios need both of their paths.
+        #[arg(long, value_delimiter = ',')]
+        paths: Vec<char>,
         /// Instead of the paths: fill this many expired records (at least 1 000 000 for
         /// the documented figures), report bytes per record, and purge them while new
         /// requests run at the largest client count.
@@ -266,6 +274,8 @@ async fn run(cli: Cli) -> Result<(), Fail> {
             pool,
             no_round_trips,
             no_fast_path,
+            claim,
+            paths,
             growth,
             chart_only,
         } => {
@@ -280,6 +290,8 @@ async fn run(cli: Cli) -> Result<(), Fail> {
                 pool,
                 round_trips: !no_round_trips,
                 fast_path: !no_fast_path,
+                claim,
+                paths,
                 chart_only,
                 growth,
             };

@@ -7,6 +7,9 @@ use idem_core::{DbError, ErrorKind};
 /// modification); a [`crate::PurgeStyle::SkipLocked`] purge then retries without row
 /// locks.
 pub const FEATURE_NOT_SUPPORTED: &str = "0A000";
+/// `invalid_sql_statement_name`: an `EXECUTE` of a prepared statement the session no
+/// longer has (`DEALLOCATE`).
+pub const INVALID_SQL_STATEMENT_NAME: &str = "26000";
 /// `unique_violation`.
 pub const UNIQUE_VIOLATION: &str = "23505";
 /// `not_null_violation`: what a failed guard of the key-lock completion raises on

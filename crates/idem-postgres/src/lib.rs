@@ -716,16 +716,18 @@ async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing,
         ));
     }
     let time = |i: usize| {
-        row.try_get::<String, _>(expired_column + 3 + i)
+        row.try_get::<i64, _>(expired_column + 3 + i)
             .map_err(db_error)
     };
-    let times = sql::ClaimTimes::new(time(0)?, time(1)?, time(2)?).ok_or_else(|| {
-        DbError::new(
-            "postgres",
-            ErrorKind::Other,
-            "the server wrote the claim's times in an unexpected shape (is this PostgreSQL?)",
-        )
-    })?;
+    let times = sql::ClaimTimes {
+        begun: time(0)?,
+        claimed: time(1)?,
+        expires: time(2)?,
+        prepared: row
+            .try_get::<Option<String>, _>(expired_column + 6)
+            .map_err(db_error)?
+            .filter(|name| sql::is_prepared_name(name)),
+    };
     open.tx.key_lock = Some((times, expired));
     Ok(if expired {
         Existing::Expired
@@ -904,6 +906,18 @@ impl Backend for PgBackend {
                 Err((tx, e)) => {
                     // A lost reply is an unknown outcome (the retry re-reads); any other
                     // error stopped the message before its COMMIT.
+                    let code = e.as_database_error().and_then(|d| d.code());
+                    if code.as_deref() == Some(error_codes::INVALID_SQL_STATEMENT_NAME) {
+                        // The session lost its prepared completion (`DEALLOCATE`): forget
+                        // its name, so that the retry prepares it again.
+                        let _ = tx.rollback_then(sql::FORGET_PREPARED).await;
+                        return Err(DbError::new(
+                            "postgres",
+                            ErrorKind::Transient,
+                            "the session's prepared completion was deallocated; nothing \
+                             was stored, and the retry prepares it again",
+                        ));
+                    }
                     let _ = tx.rollback().await;
                     Err(locked_completion_error(e))
                 }

@@ -86,35 +86,43 @@ macro_rules! stale_snapshot {
         "current_setting('idem.waited', true) = 'yes' AND current_setting('transaction_isolation') <> 'read committed' AS stale"
     };
 }
-/// A timestamp as ISO 8601 text in UTC with microseconds (`2026-12-01T22:48:53.123456Z`),
-/// which `timestamptz` reads back exactly whatever the session's `DateStyle` and
-/// `TimeZone`.
-macro_rules! iso_utc {
+/// A timestamp as whole microseconds since the epoch (`bigint`): exact, and read back by
+/// [`from_us!`] whatever the session's `DateStyle` and `TimeZone`.
+macro_rules! us {
     ($t:expr) => {
+        concat!("(extract(epoch FROM ", $t, ") * 1000000)::bigint")
+    };
+}
+/// [`us!`] read back as a `timestamptz`.
+macro_rules! from_us {
+    ($n:expr) => {
         concat!(
-            "to_char((",
-            $t,
-            ") AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.US\"Z\"')"
+            "('epoch'::timestamptz + ",
+            $n,
+            " * interval '1 microsecond')"
         )
     };
 }
-/// The claim's times, read by the key-lock re-read for the completion: the transaction's
-/// start (`now()`: the completion's guard that it still runs in this transaction), the
-/// claim time (the database clock after the lock's wait) and the record's expiry
-/// (the claim time + the retention, `$n` µs).
+/// What the key-lock re-read adds for the completion: the transaction's start
+/// (`now()`: the completion's guard that it still runs in this transaction), the claim
+/// time (the database clock after the lock's wait), the record's expiry (the claim time
+/// + the retention, `$n` µs), all [`us!`], and the name under which this session
+/// prepared the completion, if it did (the session setting `idem.complete_<table>`).
 macro_rules! claim_times {
-    ($n:literal) => {
+    ($n:literal, $prepared:literal) => {
         concat!(
-            iso_utc!("now()"),
+            us!("now()"),
             " AS begun, ",
-            iso_utc!("clock_timestamp()"),
+            us!("clock_timestamp()"),
             " AS claimed, ",
-            iso_utc!(concat!(
-                "clock_timestamp() + $",
+            us!(concat!(
+                "(clock_timestamp() + $",
                 $n,
-                " * interval '1 microsecond'"
+                " * interval '1 microsecond')"
             )),
-            " AS expires"
+            " AS expires, current_setting('",
+            $prepared,
+            "', true) AS prepared"
         )
     };
 }
@@ -125,7 +133,7 @@ pub(crate) const SELECT_REQUEST_LOCKED: &str = concat!(
     "SELECT r.request, r.response, r.status, r.expires_at <= clock_timestamp() AS expired, r.expires_at IS NULL AS absent, ",
     stale_snapshot!(),
     ", ",
-    claim_times!(4),
+    claim_times!(4, "idem.complete_request"),
     " FROM (SELECT) AS one LEFT JOIN idem_request_result AS r ON r.principal = $1 AND r.operation = $2 AND r.request_key = $3"
 );
 /// [`SELECT_REQUEST_LOCKED`] for messages: fingerprint, expired, absent, stale, times.
@@ -134,7 +142,7 @@ pub(crate) const SELECT_MESSAGE_LOCKED: &str = concat!(
     "SELECT m.fingerprint, m.expires_at <= clock_timestamp() AS expired, m.expires_at IS NULL AS absent, ",
     stale_snapshot!(),
     ", ",
-    claim_times!(3),
+    claim_times!(3, "idem.complete_message"),
     " FROM (SELECT) AS one LEFT JOIN idem_processed_message AS m ON m.subscriber = $1 AND m.message_id = $2"
 );
 
@@ -164,58 +172,165 @@ fn optional_literal(value: Option<&str>) -> String {
     value.map_or_else(|| "NULL".to_owned(), text_literal)
 }
 
-/// The times a key-lock claim read ([`SELECT_REQUEST_LOCKED`]), for its completion.
+/// The times a key-lock claim read ([`SELECT_REQUEST_LOCKED`]), in µs since the epoch,
+/// and the name of the session's prepared completion, if it has one.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct ClaimTimes {
     /// The transaction's start.
-    pub(crate) begun: String,
+    pub(crate) begun: i64,
     /// The claim time: the record's `created_at`.
-    pub(crate) claimed: String,
+    pub(crate) claimed: i64,
     /// The record's `expires_at`.
-    pub(crate) expires: String,
+    pub(crate) expires: i64,
+    /// The name under which this session prepared the completion (`idem_c…`, checked).
+    pub(crate) prepared: Option<String>,
 }
 
-impl ClaimTimes {
-    /// The three times as the server wrote them, refused unless each is exactly the
-    /// [`iso_utc!`] shape (they are written into SQL text).
-    pub(crate) fn new(begun: String, claimed: String, expires: String) -> Option<Self> {
-        let iso = |t: &str| {
-            t.len() == 27
-                && t.bytes().enumerate().all(|(i, b)| match i {
-                    4 | 7 => b == b'-',
-                    10 => b == b'T',
-                    13 | 16 => b == b':',
-                    19 => b == b'.',
-                    26 => b == b'Z',
-                    _ => b.is_ascii_digit(),
-                })
+/// Whether `name` is one [`prepared_name`] makes (it is written into SQL text).
+pub(crate) fn is_prepared_name(name: &str) -> bool {
+    name.strip_prefix("idem_c")
+        .and_then(|rest| rest.strip_prefix(['r', 'm']))
+        .and_then(|rest| rest.strip_prefix('_'))
+        .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// A new name for a session's prepared completion (`idem_cr_<n>` for requests,
+/// `idem_cm_<n>` for messages): unique in this process, so a name left behind in a
+/// session by a transaction that failed after its `PREPARE` is never prepared again.
+pub(crate) fn prepared_name(request: bool) -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("idem_c{}_{n}", if request { 'r' } else { 'm' })
+}
+
+/// The guards of a key-lock completion, written into its `VALUES` (`$b`: the
+/// transaction's start, `$c` the claim time, `$e` the expiry, each [`us!`]). Every guard
+/// that fails sets a `NOT NULL` column to `NULL`, so the `INSERT` fails with SQLSTATE
+/// 23502 and the `COMMIT` after it in the same message never runs; the column says
+/// which guard (a structured field, never message text): the key's last column when
+/// `now()` is no longer the claiming transaction's start (that transaction ended: the
+/// effect ran its own `COMMIT` or `ROLLBACK`), the time column when the record would be
+/// born expired (its retention ran out while the effect ran). A live record of the key
+/// written meanwhile by a session that did not take the key lock (an earlier idem, SQL
+/// of the application's own) fails the `INSERT` with 23505.
+macro_rules! locked_request_values {
+    ($p:expr, $o:expr, $k:expr, $req:expr, $resp:expr, $status:expr, $b:expr, $c:expr, $e:expr) => {
+        concat!(
+            "INSERT INTO idem_request_result AS r (principal, operation, request_key, request, response, status, created_at, expires_at) VALUES (",
+            $p, ", ", $o, ", CASE WHEN now() = ", from_us!($b), " THEN ", $k, " END, ", $req, ", ", $resp, ", ", $status,
+            ", CASE WHEN statement_timestamp() < ", from_us!($e), " THEN ", from_us!($c), " END, ", from_us!($e), ")"
+        )
+    };
+}
+/// [`locked_request_values!`] for messages: `message_id` (the transaction ended),
+/// `processed_at` (expired while the effect ran).
+macro_rules! locked_message_values {
+    ($s:expr, $m:expr, $fp:expr, $b:expr, $c:expr, $e:expr) => {
+        concat!(
+            "INSERT INTO idem_processed_message AS m (subscriber, message_id, fingerprint, processed_at, expires_at) VALUES (",
+            $s, ", CASE WHEN now() = ", from_us!($b), " THEN ", $m, " END, ", $fp,
+            ", CASE WHEN statement_timestamp() < ", from_us!($e), " THEN ", from_us!($c), " END, ", from_us!($e), ")"
+        )
+    };
+}
+/// The key-lock completion of a request as a prepared statement: parsed, analysed and
+/// planned once per session, then only executed. Params: principal, operation, key,
+/// request, response, status, begun, claimed, expires (µs).
+pub(crate) const PREPARED_REQUEST: &str = concat!(
+    "(text, text, text, text, text, int2, bigint, bigint, bigint) AS ",
+    locked_request_values!("$1", "$2", "$3", "$4", "$5", "$6", "$7", "$8", "$9")
+);
+/// [`PREPARED_REQUEST`] for messages. Params: subscriber, message ID, fingerprint,
+/// begun, claimed, expires (µs).
+pub(crate) const PREPARED_MESSAGE: &str = concat!(
+    "(text, text, text, bigint, bigint, bigint) AS ",
+    locked_message_values!("$1", "$2", "$3", "$4", "$5", "$6")
+);
+/// Replacing an expired record instead of inserting: `ON CONFLICT … DO UPDATE` of that
+/// record only; a live one sets the first key column to `NULL` (23502).
+const REPLACE_REQUEST: &str = " ON CONFLICT (principal, operation, request_key) DO UPDATE SET \
+     principal = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.principal END, \
+     request = excluded.request, response = excluded.response, status = excluded.status, \
+     created_at = excluded.created_at, expires_at = excluded.expires_at";
+/// [`REPLACE_REQUEST`] for messages.
+const REPLACE_MESSAGE: &str = " ON CONFLICT (subscriber, message_id) DO UPDATE SET \
+     subscriber = CASE WHEN m.expires_at <= statement_timestamp() THEN excluded.subscriber END, \
+     fingerprint = excluded.fingerprint, processed_at = excluded.processed_at, \
+     expires_at = excluded.expires_at";
+
+/// The key-lock completion and its `COMMIT` in one message. A new key executes the
+/// session's prepared completion (preparing it first, under a new name kept in the
+/// session setting `idem.complete_<table>`, when the session has none); an expired
+/// record is replaced by a plain statement with `ON CONFLICT … DO UPDATE`. `values`:
+/// the statement's parameters as SQL text, in its order; `times`: what the re-read
+/// read. The trailing `BEGIN` opens an empty transaction for sqlx's queued `ROLLBACK` to
+/// end (see `PgTx::commit_with`).
+fn complete_locked(
+    request: bool,
+    mut values: Vec<String>,
+    times: &ClaimTimes,
+    replace: bool,
+) -> String {
+    values.extend([times.begun, times.claimed, times.expires].map(|t| t.to_string()));
+    let (table, prepared_sql) = if request {
+        ("request", PREPARED_REQUEST)
+    } else {
+        ("message", PREPARED_MESSAGE)
+    };
+    if replace {
+        let v = |i: usize| values[i].as_str();
+        let insert = if request {
+            format!(
+                "INSERT INTO idem_request_result AS r (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 VALUES ({}, {}, CASE WHEN now() = {b} THEN {} END, {}, {}, {}, CASE WHEN statement_timestamp() < {e} THEN {c} END, {e}){REPLACE_REQUEST}",
+                v(0),
+                v(1),
+                v(2),
+                v(3),
+                v(4),
+                v(5),
+                b = from_us(v(6)),
+                c = from_us(v(7)),
+                e = from_us(v(8)),
+            )
+        } else {
+            format!(
+                "INSERT INTO idem_processed_message AS m (subscriber, message_id, fingerprint, processed_at, expires_at) \
+                 VALUES ({}, CASE WHEN now() = {b} THEN {} END, {}, CASE WHEN statement_timestamp() < {e} THEN {c} END, {e}){REPLACE_MESSAGE}",
+                v(0),
+                v(1),
+                v(2),
+                b = from_us(v(3)),
+                c = from_us(v(4)),
+                e = from_us(v(5)),
+            )
         };
-        (iso(&begun) && iso(&claimed) && iso(&expires)).then_some(Self {
-            begun,
-            claimed,
-            expires,
-        })
+        return format!("{insert}; COMMIT; BEGIN");
+    }
+    let args = values.join(", ");
+    match times.prepared.as_deref().filter(|n| is_prepared_name(n)) {
+        Some(name) => format!("EXECUTE {name}({args}); COMMIT; BEGIN"),
+        None => {
+            let name = prepared_name(request);
+            format!(
+                "PREPARE {name} {prepared_sql}; SELECT set_config('idem.complete_{table}', '{name}', false); \
+                 EXECUTE {name}({args}); COMMIT; BEGIN"
+            )
+        }
     }
 }
 
-/// The key-lock completion of a request and its `COMMIT`, one message: the record is
-/// written once, complete, by the statement that inserts it. Every guard that fails
-/// stops the `INSERT` with an error, so the `COMMIT` after it never runs; the error says
-/// which guard (its code and column: structured fields, never message text):
-///
-/// - 23502 on `request_key`: `now()` is no longer the claiming transaction's start, that
-///   transaction ended (the effect ran its own `COMMIT` or `ROLLBACK`);
-/// - 23502 on `created_at`: the record would be born expired, its retention ran out
-///   while the effect ran;
-/// - 23505 (or, replacing an expired record, 23502 on `principal`): a live record of the
-///   key exists, written by a session that did not take the key lock (an earlier idem,
-///   or SQL of the application's own).
-///
-/// `replace` (the re-read found an expired record) adds `ON CONFLICT … DO UPDATE` of
-/// that record only; a new key is a plain `INSERT`, which the server analyses and plans
-/// for much less. The trailing `BEGIN` opens an empty transaction for sqlx's queued
-/// `ROLLBACK` to end (see `PgTx::commit_with`). Values: hex literals ([`text_literal`]),
-/// the times the re-read wrote ([`ClaimTimes`]), the status formatted by the backend.
+/// Forgets the session's prepared completions (after an `EXECUTE` found one gone), so
+/// the next completion prepares them again.
+pub(crate) const FORGET_PREPARED: &str = "SELECT set_config('idem.complete_request', '', false), \
+     set_config('idem.complete_message', '', false)";
+
+/// [`from_us!`] for a value known only at run time.
+fn from_us(n: &str) -> String {
+    format!("('epoch'::timestamptz + {n} * interval '1 microsecond')")
+}
+
+/// The key-lock completion of a request and its `COMMIT` (see [`complete_locked`]).
 pub(crate) fn complete_request_locked(
     key: [&str; 3],
     request: Option<&str>,
@@ -224,58 +339,25 @@ pub(crate) fn complete_request_locked(
     times: &ClaimTimes,
     replace: bool,
 ) -> String {
-    let [principal, operation, request_key] = key.map(text_literal);
-    let (request, response) = (optional_literal(request), optional_literal(response));
-    let ClaimTimes {
-        begun,
-        claimed,
-        expires,
-    } = times;
-    let upsert = if replace {
-        " ON CONFLICT (principal, operation, request_key) DO UPDATE SET \
-         principal = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.principal END, \
-         request = excluded.request, response = excluded.response, status = excluded.status, \
-         created_at = excluded.created_at, expires_at = excluded.expires_at"
-    } else {
-        ""
-    };
-    format!(
-        "INSERT INTO idem_request_result AS r (principal, operation, request_key, request, response, status, created_at, expires_at) \
-         VALUES ({principal}, {operation}, CASE WHEN now() = '{begun}' THEN {request_key} END, {request}, {response}, {status}, \
-         CASE WHEN statement_timestamp() < '{expires}' THEN '{claimed}'::timestamptz END, '{expires}'){upsert}; COMMIT; BEGIN"
-    )
+    let mut values: Vec<String> = key.iter().map(|v| text_literal(v)).collect();
+    values.extend([
+        optional_literal(request),
+        optional_literal(response),
+        status.to_string(),
+    ]);
+    complete_locked(true, values, times, replace)
 }
 
-/// The key-lock completion of a message and its `COMMIT`, as
-/// [`complete_request_locked`]; the guards' columns: `message_id` (the transaction
-/// ended), `processed_at` (expired while the effect ran), `subscriber` (replacing: a live
-/// record written without the key lock).
+/// The key-lock completion of a message and its `COMMIT` (see [`complete_locked`]).
 pub(crate) fn complete_message_locked(
     key: [&str; 2],
     fingerprint: Option<&str>,
     times: &ClaimTimes,
     replace: bool,
 ) -> String {
-    let [subscriber, message_id] = key.map(text_literal);
-    let fingerprint = optional_literal(fingerprint);
-    let ClaimTimes {
-        begun,
-        claimed,
-        expires,
-    } = times;
-    let upsert = if replace {
-        " ON CONFLICT (subscriber, message_id) DO UPDATE SET \
-         subscriber = CASE WHEN m.expires_at <= statement_timestamp() THEN excluded.subscriber END, \
-         fingerprint = excluded.fingerprint, processed_at = excluded.processed_at, \
-         expires_at = excluded.expires_at"
-    } else {
-        ""
-    };
-    format!(
-        "INSERT INTO idem_processed_message AS m (subscriber, message_id, fingerprint, processed_at, expires_at) \
-         VALUES ({subscriber}, CASE WHEN now() = '{begun}' THEN {message_id} END, {fingerprint}, \
-         CASE WHEN statement_timestamp() < '{expires}' THEN '{claimed}'::timestamptz END, '{expires}'){upsert}; COMMIT; BEGIN"
-    )
+    let mut values: Vec<String> = key.iter().map(|v| text_literal(v)).collect();
+    values.push(optional_literal(fingerprint));
+    complete_locked(false, values, times, replace)
 }
 
 /// On Citus, once the claim is won: the effect gets the default `lock_timeout` back, on
@@ -751,6 +833,7 @@ pub(crate) const ALL: &[(&str, &str)] = &[
     ("lookup_message", LOOKUP_MESSAGE),
     ("flavor", FLAVOR),
     ("table_oids", TABLE_OIDS),
+    ("forget_prepared", FORGET_PREPARED),
     ("purge_requests", PURGE_REQUESTS),
     ("purge_messages", PURGE_MESSAGES),
     ("purge_requests_distributed", PURGE_REQUESTS_DISTRIBUTED),
@@ -808,19 +891,25 @@ mod tests {
     }
 
     #[test]
-    fn claim_times_are_only_ever_iso_timestamps() {
-        let ok = "2026-12-01T22:48:53.123456Z";
-        assert!(super::ClaimTimes::new(ok.into(), ok.into(), ok.into()).is_some());
+    fn prepared_names_are_only_ever_ours() {
+        let (r, m) = (super::prepared_name(true), super::prepared_name(false));
+        assert!(
+            super::is_prepared_name(&r) && r.starts_with("idem_cr_"),
+            "{r}"
+        );
+        assert!(
+            super::is_prepared_name(&m) && m.starts_with("idem_cm_"),
+            "{m}"
+        );
+        assert_ne!(super::prepared_name(true), super::prepared_name(true));
         for bad in [
-            "2026-12-01 22:48:53.123456+00",
-            "2026-12-01T22:48:53.123456Z'; --",
-            "2026-12-01T22:48:53Z",
             "",
+            "idem_cr_",
+            "idem_cx_1",
+            "idem_cr_1; DROP TABLE x",
+            "sqlx_s_1",
         ] {
-            assert!(
-                super::ClaimTimes::new(ok.into(), bad.into(), ok.into()).is_none(),
-                "{bad:?}"
-            );
+            assert!(!super::is_prepared_name(bad), "{bad:?}");
         }
     }
 
@@ -901,30 +990,42 @@ mod tests {
 
     #[test]
     fn statements_snapshot() {
-        let times = super::ClaimTimes::new(
-            "2026-12-01T22:48:53.123456Z".into(),
-            "2026-12-01T22:48:53.234567Z".into(),
-            "2026-12-02T22:48:53.234567Z".into(),
-        )
-        .expect("ISO times");
-        let request = |replace| {
+        let times = |prepared: Option<&str>| super::ClaimTimes {
+            begun: 1_764_629_333_123_456,
+            claimed: 1_764_629_333_234_567,
+            expires: 1_764_715_733_234_567,
+            prepared: prepared.map(str::to_owned),
+        };
+        let request = |prepared, replace| {
             super::complete_request_locked(
                 ["account-1", "debit:v1", "k'); DROP TABLE x; --"],
                 Some(r#"{"amount":100}"#),
                 Some(r#"{"balance":900}"#),
                 0,
-                &times,
+                &times(prepared),
                 replace,
             )
         };
-        let message =
-            |replace| super::complete_message_locked(["projection", "m-1"], None, &times, replace);
+        // A session's first completion prepares it under the process's next name.
+        let first = request(None, false);
+        assert!(
+            first.starts_with("PREPARE idem_cr_")
+                && first.contains("; SELECT set_config('idem.complete_request', 'idem_cr_")
+                && first.contains("; EXECUTE idem_cr_")
+                && first.ends_with("; COMMIT; BEGIN"),
+            "{first}"
+        );
+        let message = |prepared, replace| {
+            super::complete_message_locked(["projection", "m-1"], None, &times(prepared), replace)
+        };
         let built = [
             ("begin_key_lock", super::begin_key_lock(250, -7)),
-            ("complete_request_locked", request(false)),
-            ("complete_request_locked_replacing", request(true)),
-            ("complete_message_locked", message(false)),
-            ("complete_message_locked_replacing", message(true)),
+            ("complete_request_locked", request(Some("idem_cr_7"), false)),
+            ("complete_request_locked_replacing", request(None, true)),
+            ("complete_message_locked", message(Some("idem_cm_8"), false)),
+            ("complete_message_locked_replacing", message(None, true)),
+            ("prepared_request", super::PREPARED_REQUEST.to_owned()),
+            ("prepared_message", super::PREPARED_MESSAGE.to_owned()),
         ];
         let text: String = super::ALL
             .iter()

@@ -80,6 +80,18 @@ impl PgTx {
             .map_err(db_error)
     }
 
+    /// Rolls back, then runs `statement` on the connection outside any transaction.
+    pub(crate) async fn rollback_then(mut self, statement: &'static str) -> Result<(), DbError> {
+        PgTransactionManager::rollback(&mut self.conn)
+            .await
+            .map_err(db_error)?;
+        sqlx::raw_sql(statement)
+            .execute(&mut *self.conn)
+            .await
+            .map(drop)
+            .map_err(db_error)
+    }
+
     /// Sends `message`, one simple query that ends idem's transaction with `COMMIT` and
     /// then opens an empty one (`…; COMMIT; BEGIN`). sqlx still counts one transaction on
     /// the connection, and only its own queued `ROLLBACK` brings that count back to zero

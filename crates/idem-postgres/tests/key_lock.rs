@@ -235,3 +235,72 @@ async fn nothing_of_a_claim_outlives_its_transaction() {
     drop_schema(&admin, backend, &name).await;
     admin.close().await;
 }
+
+/// A session whose prepared completion was deallocated behind idem's back (a `DEALLOCATE`
+/// of its name; `DEALLOCATE ALL` would take sqlx's own statements too, and `DISCARD ALL`
+/// also forgets the name): the completion fails before its COMMIT, the retry prepares it
+/// again, and the effect commits once.
+#[tokio::test]
+async fn a_deallocated_completion_is_prepared_again() {
+    let admin = admin().await;
+    let (backend, name) = schema(&admin, "dealloc").await;
+    let options = PgConnectOptions::from_str(&url())
+        .unwrap()
+        .options([("search_path", name.as_str())]);
+    // One connection, so the second call runs on the session the first prepared on.
+    let one = PgBackend::connect_with(options, 1)
+        .await
+        .unwrap()
+        .with_claim_style(ClaimStyle::KeyLock);
+    sqlx::raw_sql("CREATE TABLE effects (n int)")
+        .execute(one.pool())
+        .await
+        .unwrap();
+    let idem = Idem::new(one.clone());
+    let request = Request::new(serde_json::json!({"n": 1}));
+    let first = idem
+        .execute(&scope(), &Key::new("a").unwrap(), &request, |_tx| {
+            Box::pin(async { Ok::<_, sqlx::Error>(1_i64) })
+        })
+        .await;
+    assert!(matches!(first, Ok(Outcome::Executed(1))), "{first:?}");
+    let runs = Arc::new(AtomicUsize::new(0));
+    let second = idem
+        .execute(&scope(), &Key::new("b").unwrap(), &request, {
+            let runs = Arc::clone(&runs);
+            move |tx| {
+                let first = runs.fetch_add(1, Ordering::SeqCst) == 0;
+                Box::pin(async move {
+                    sqlx::query("INSERT INTO effects VALUES (1)")
+                        .execute(&mut **tx)
+                        .await?;
+                    if first {
+                        let name: String =
+                            sqlx::query_scalar("SELECT current_setting('idem.complete_request')")
+                                .fetch_one(&mut **tx)
+                                .await?;
+                        assert!(name.starts_with("idem_cr_"), "{name}");
+                        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DEALLOCATE {name}")))
+                            .execute(&mut **tx)
+                            .await?;
+                    }
+                    Ok::<_, sqlx::Error>(2_i64)
+                })
+            }
+        })
+        .await;
+    assert!(matches!(second, Ok(Outcome::Executed(2))), "{second:?}");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "the retry ran the effect again"
+    );
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(one.pool())
+        .await
+        .unwrap();
+    assert_eq!(effects, 1, "the failed attempt's effect rolled back");
+    one.pool().close().await;
+    drop_schema(&admin, backend, &name).await;
+    admin.close().await;
+}

@@ -36,6 +36,28 @@ impl PoolMode {
     }
 }
 
+/// PostgreSQL's claim style, as `--claim` names it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ClaimChoice {
+    /// `ClaimStyle::Auto`: the key lock on a single server.
+    Auto,
+    /// `ClaimStyle::KeyLock`.
+    KeyLock,
+    /// `ClaimStyle::Placeholder`.
+    Placeholder,
+}
+
+impl ClaimChoice {
+    /// How a report names it.
+    pub(crate) fn describe(self) -> &'static str {
+        match self {
+            Self::Auto => "auto (the key lock on a single server)",
+            Self::KeyLock => "key lock",
+            Self::Placeholder => "placeholder",
+        }
+    }
+}
+
 /// The rows the growth mode inserts in one statement.
 pub(crate) const FILL_CHUNK: u64 = 100_000;
 
@@ -72,6 +94,7 @@ pub(crate) trait BenchEngine: Bank {
         ns: &str,
         pool: usize,
         mode: PoolMode,
+        claim: ClaimChoice,
     ) -> impl Future<Output = Result<Self::B, DbError>> + Send;
 
     /// Closes a backend made by [`BenchEngine::attach`].
@@ -117,11 +140,13 @@ mod postgres {
 
     use idem::postgres::sqlx;
     use idem::postgres::sqlx::postgres::PgConnectOptions;
-    use idem::postgres::{PgBackend, db_error};
+    use idem::postgres::{ClaimStyle, PgBackend, db_error};
     use idem::{DbError, PoolChecks, PoolOptions};
     use idem_conformance::postgres::PgBank;
 
-    use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
+    use super::{
+        BenchEngine, ClaimChoice, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64,
+    };
 
     /// The seed chapter's schema and function, verbatim but for the table names.
     const SEED: &str = r#"
@@ -185,18 +210,31 @@ $$;
             ns: &str,
             pool: usize,
             mode: PoolMode,
+            claim: ClaimChoice,
         ) -> Result<PgBackend, DbError> {
             let options = PgConnectOptions::from_str(url)
                 .map_err(db_error)?
                 .options([("search_path", ns)]);
             let max = u32::try_from(pool).unwrap_or(u32::MAX);
-            // The library's own option, as a user sets it.
-            let checks = match mode {
-                PoolMode::Idem => return PgBackend::connect_with(options, max).await,
-                PoolMode::Driver => PoolChecks::On,
-                PoolMode::Lean => PoolChecks::Off,
+            // The library's own options, as a user sets them.
+            let style = match claim {
+                ClaimChoice::Auto => ClaimStyle::Auto,
+                ClaimChoice::KeyLock => ClaimStyle::KeyLock,
+                ClaimChoice::Placeholder => ClaimStyle::Placeholder,
             };
-            PgBackend::connect_pooled(options, PoolOptions::new(pool).checks(checks)).await
+            let backend = match mode {
+                PoolMode::Idem => PgBackend::connect_with(options, max).await?,
+                PoolMode::Driver | PoolMode::Lean => {
+                    let checks = if mode == PoolMode::Driver {
+                        PoolChecks::On
+                    } else {
+                        PoolChecks::Off
+                    };
+                    PgBackend::connect_pooled(options, PoolOptions::new(pool).checks(checks))
+                        .await?
+                }
+            };
+            Ok(backend.with_claim_style(style))
         }
 
         async fn release(b: PgBackend) {
@@ -287,7 +325,9 @@ mod mysql {
     use idem::{DbError, PoolChecks, PoolOptions};
     use idem_conformance::mysql::MysqlBank;
 
-    use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
+    use super::{
+        BenchEngine, ClaimChoice, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64,
+    };
 
     /// The seed's tables on InnoDB. Unlike the PostgreSQL original there is no foreign
     /// key from the record to the account: on InnoDB its check takes a shared lock on
@@ -360,6 +400,7 @@ END";
             ns: &str,
             pool: usize,
             mode: PoolMode,
+            _claim: ClaimChoice,
         ) -> Result<MysqlBackend, DbError> {
             let opts = parse_url(url)?;
             let mut pool_opts = opts.pool_opts().clone();
@@ -477,7 +518,9 @@ mod sqlite {
     use idem::{DbError, ErrorKind};
     use idem_conformance::sqlite::SqliteBank;
 
-    use super::{BenchEngine, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64};
+    use super::{
+        BenchEngine, ClaimChoice, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64,
+    };
 
     fn in_transaction<T>(
         c: &rusqlite::Connection,
@@ -522,6 +565,7 @@ mod sqlite {
             ns: &str,
             pool: usize,
             _mode: PoolMode,
+            _claim: ClaimChoice,
         ) -> Result<SqliteBackend, DbError> {
             // The fixture's private file: `<stem>-<namespace>.db` beside the URL's file.
             let Location::File(path) = Location::parse(url)? else {

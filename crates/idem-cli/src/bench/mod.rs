@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::task::JoinSet;
 
-pub(crate) use engines::{BenchEngine, PoolMode};
+pub(crate) use engines::{BenchEngine, ClaimChoice, PoolMode};
 
 use crate::fail::Fail;
 
@@ -124,6 +124,8 @@ pub(crate) struct Options {
     pub(crate) pool: PoolMode,
     pub(crate) round_trips: bool,
     pub(crate) fast_path: bool,
+    pub(crate) claim: ClaimChoice,
+    pub(crate) paths: Vec<char>,
     pub(crate) growth: Option<u64>,
     pub(crate) chart_only: bool,
 }
@@ -174,6 +176,9 @@ pub(crate) struct Report {
     pub(crate) pool: String,
     #[serde(default = "yes")]
     pub(crate) fast_path: bool,
+    /// PostgreSQL's claim style (`--claim`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) claim: Option<String>,
     pub(crate) clients: Vec<usize>,
     pub(crate) seconds_per_cell: f64,
     pub(crate) rounds: u32,
@@ -409,12 +414,31 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
             "--clients needs one or more positive counts, such as 1,16,64",
         ));
     }
+    if opts.claim != ClaimChoice::Auto && K::ENGINE != "postgres" {
+        return Err(Fail::new(
+            crate::fail::INVALID_INPUT,
+            format!(
+                "--claim chooses PostgreSQL's claim style; {} has one claim",
+                K::ENGINE
+            ),
+        ));
+    }
+    if let Some(bad) = opts
+        .paths
+        .iter()
+        .find(|c| !Path::ALL.iter().any(|p| p.letter() == **c))
+    {
+        return Err(Fail::new(
+            crate::fail::INVALID_INPUT,
+            format!("--paths: no path ({bad}); the paths are a to h (see docs/performance.md)"),
+        ));
+    }
     let ns = namespace("bench");
     let bank = K::connect(url, Some(&ns)).await?;
     let result = async {
         bank.setup().await?;
         let pool = opts.clients.iter().copied().max().unwrap_or(1);
-        let backend = K::attach(url, &ns, pool, opts.pool).await?;
+        let backend = K::attach(url, &ns, pool, opts.pool, opts.claim).await?;
         let outcome = measure::<K>(&bank, backend.clone(), url, &ns, &opts).await;
         K::release(backend).await;
         outcome
@@ -508,6 +532,7 @@ async fn measure<K: BenchEngine>(
         .into(),
         pool: opts.pool.describe(K::ENGINE).into(),
         fast_path: opts.fast_path,
+        claim: (K::ENGINE == "postgres").then(|| opts.claim.describe().to_owned()),
         clients: opts.clients.clone(),
         seconds_per_cell: opts.duration.as_secs_f64(),
         rounds: opts.rounds,
@@ -546,6 +571,7 @@ async fn measure<K: BenchEngine>(
         .into_iter()
         .filter(|p| *p != Path::Function || K::FUNCTION.is_some())
         .filter(|p| *p != Path::NewSync || K::SYNC_EFFECT)
+        .filter(|p| opts.paths.is_empty() || opts.paths.contains(&p.letter()))
         .collect();
     let mut cells: Vec<(Path, usize)> = opts
         .clients
@@ -719,7 +745,7 @@ async fn count_per_op<K: BenchEngine>(
     settle: Duration,
     count: impl Fn() -> u64,
 ) -> Result<Vec<RoundTrips>, Fail> {
-    let backend = K::attach(url, ns, 1, opts.pool).await?;
+    let backend = K::attach(url, ns, 1, opts.pool, opts.claim).await?;
     let mut counted = Ctx::<K>::new(
         backend.clone(),
         format!("{}{run_suffix}", ctx.run),
@@ -763,12 +789,17 @@ fn fmt_ratio(r: Option<f64>) -> String {
 
 fn print(report: &Report) {
     println!(
-        "idem bench on {} ({}), {} build; pool: {}; fast path {}",
+        "idem bench on {} ({}), {} build; pool: {}; fast path {}{}",
         report.engine,
         report.server,
         report.build,
         report.pool,
-        if report.fast_path { "on" } else { "off" }
+        if report.fast_path { "on" } else { "off" },
+        report
+            .claim
+            .as_deref()
+            .map(|c| format!("; claim: {c}"))
+            .unwrap_or_default()
     );
     println!(
         "{} round(s) x {:.1} s per cell, cells interleaved and rotated; {} accounts; load average before {}, after {}",
