@@ -360,6 +360,8 @@ const FLAVOR_OTHER: u8 = 3;
 pub struct PgOpen {
     tx: PgTx,
     restored: bool,
+    /// The key lock's name, with [`ClaimStyle::KeyLock`].
+    lock: Option<i64>,
 }
 
 /// One claim: the steps [`idem_core::claim::run`] walks, on the connection the fast
@@ -538,13 +540,12 @@ impl ClaimSteps for PgClaim<'_> {
         self.backend.flavor(&mut conn).await?;
         if self.backend.key_lock() {
             let lock = self.backend.lock_name(&mut conn, &claim.id).await?;
-            let begin = sql::begin_key_lock(lock_timeout_ms(claim.wait), lock);
-            return match PgTx::begin(conn, Some(begin)).await {
-                Ok(tx) => Ok(Begun::Open(PgOpen { tx, restored: true })),
-                // Another call holds the key past the bound (rolled back already).
-                Err(e) if e.code() == Some(error_codes::LOCK_NOT_AVAILABLE) => Ok(Begun::InFlight),
-                Err(e) => Err(e),
-            };
+            let tx = PgTx::begin(conn, Some(sql::begin_key_lock(lock))).await?;
+            return Ok(Begun::Open(PgOpen {
+                tx,
+                restored: true,
+                lock: Some(lock),
+            }));
         }
         let tx = self
             .backend
@@ -553,6 +554,7 @@ impl ClaimSteps for PgClaim<'_> {
         Ok(Begun::Open(PgOpen {
             tx,
             restored: false,
+            lock: None,
         }))
     }
 
@@ -569,7 +571,26 @@ impl ClaimSteps for PgClaim<'_> {
 
     async fn reread(&self, open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
         if self.backend.key_lock() {
-            return reread_locked(open, claim).await;
+            if let Some(existing) = reread_locked(open, claim).await? {
+                return Ok(existing);
+            }
+            // Another transaction held the key when this one began: wait for it,
+            // bounded (55P03 answers InFlight), then read again.
+            let lock = open.lock.unwrap_or_default();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql::wait_key_lock(
+                lock_timeout_ms(claim.wait),
+                lock,
+            )))
+            .execute(&mut *open.tx)
+            .await
+            .map_err(db_error)?;
+            return reread_locked(open, claim).await?.ok_or_else(|| {
+                DbError::new(
+                    "postgres",
+                    ErrorKind::Other,
+                    "internal: the key lock was taken but the re-read does not see it held",
+                )
+            });
         }
         let (row, expired_column) = match claim.id {
             Identity::Request { scope, key } => (
@@ -664,9 +685,10 @@ fn live(row: &sqlx::postgres::PgRow, claim: &Claim<'_>) -> Result<Stored, DbErro
 }
 
 /// The key-lock claim's re-read ([`sql::SELECT_REQUEST_LOCKED`]): one row, whatever the
-/// table holds. A claim that may decide on a snapshot older than the wait for its key is
-/// a serialization failure; a won claim keeps its times for the completion.
-async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing, DbError> {
+/// table holds; `None` while this transaction does not hold the key lock. A claim that
+/// may decide on a snapshot older than the wait for its key is a serialization failure;
+/// a won claim keeps its times for the completion.
+async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Option<Existing>, DbError> {
     let retention = micros(claim.retention);
     let (row, expired_column) = match claim.id {
         Identity::Request { scope, key } => (
@@ -693,7 +715,14 @@ async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing,
         ),
     };
     let row = row.map_err(db_error)?;
-    // After `expired`: absent, stale, then the three times.
+    // After `expired`: absent, stale, the three times, the prepared name, locked.
+    let locked = row
+        .try_get::<Option<bool>, _>(expired_column + 7)
+        .map_err(db_error)?
+        .unwrap_or(false);
+    if !locked {
+        return Ok(None);
+    }
     let absent: bool = row.try_get(expired_column + 1).map_err(db_error)?;
     let stale = row
         .try_get::<Option<bool>, _>(expired_column + 2)
@@ -701,7 +730,7 @@ async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing,
         .unwrap_or(false);
     let expired = !absent && row.try_get::<bool, _>(expired_column).map_err(db_error)?;
     if !absent && !expired {
-        return live(&row, claim).map(Existing::Live);
+        return live(&row, claim).map(|s| Some(Existing::Live(s)));
     }
     if stale {
         // A winner may have committed while this transaction waited for the key, after
@@ -729,11 +758,11 @@ async fn reread_locked(open: &mut PgOpen, claim: &Claim<'_>) -> Result<Existing,
             .filter(|name| sql::is_prepared_name(name)),
     };
     open.tx.key_lock = Some((times, expired));
-    Ok(if expired {
+    Ok(Some(if expired {
         Existing::Expired
     } else {
         Existing::Vanished
-    })
+    }))
 }
 
 impl PgBackend {

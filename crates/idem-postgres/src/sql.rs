@@ -55,21 +55,32 @@ pub(crate) fn bound_citus(ms: u128) -> String {
     format!("{}{ms}ms'", bound_citus!())
 }
 /// A claim's `BEGIN` on a single node with the key lock (`ClaimStyle::KeyLock`), one
-/// message with integers only, all formatted by the backend (never user data), three
-/// statements: `BEGIN`; the session's own `lock_timeout` kept in the transaction-local
-/// `idem.lock_timeout`, then the bound set (one `SELECT`, its target list evaluated in
-/// order); the transaction-scoped advisory lock `lock` taken, waiting at most the bound
-/// (SQLSTATE 55P03 when it runs out), then the session's value back. A lock that did
-/// not come at once sets the transaction-local `idem.waited` (see
-/// [`SELECT_REQUEST_LOCKED`]). The tests that the effect keeps the session's own value
-/// and that a held key answers within the bound check that order.
-pub(crate) fn begin_key_lock(ms: u128, lock: i64) -> String {
+/// message with integers only, formatted by the backend (never user data): `BEGIN`, then
+/// the transaction-scoped advisory lock named `lock` taken if it is free, which the
+/// transaction-local `idem.locked` records (the re-read reports it: see
+/// [`SELECT_REQUEST_LOCKED`]). A key held by another transaction costs nothing here: the
+/// claim then waits for it with [`wait_key_lock`], bounded.
+pub(crate) fn begin_key_lock(lock: i64) -> String {
     format!(
-        "BEGIN; SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true), \
+        "BEGIN; SELECT CASE WHEN pg_try_advisory_xact_lock({lock}) \
+         THEN set_config('idem.locked', 'yes', true) END"
+    )
+}
+
+/// The wait for a key another transaction holds, one message with integers only: the
+/// session's own `lock_timeout` kept in the transaction-local `idem.lock_timeout` and
+/// the bound set (one `SELECT`, its target list evaluated in order), then the lock
+/// taken, waiting at most the bound (SQLSTATE 55P03 when it runs out), and the session's
+/// value back; `idem.locked` and `idem.waited` record that it was taken after a wait.
+/// The tests that the effect keeps the session's own value and that a held key answers
+/// within the bound check that order.
+pub(crate) fn wait_key_lock(ms: u128, lock: i64) -> String {
+    format!(
+        "SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true), \
          set_config('lock_timeout', '{ms}ms', true); \
-         SELECT CASE WHEN pg_try_advisory_xact_lock({lock}) THEN '' \
-         ELSE set_config('idem.waited', pg_advisory_xact_lock({lock})::text || 'yes', true) END, \
-         set_config('lock_timeout', current_setting('idem.lock_timeout'), true)"
+         SELECT pg_advisory_xact_lock({lock}), \
+         set_config('lock_timeout', current_setting('idem.lock_timeout'), true), \
+         set_config('idem.locked', 'yes', true), set_config('idem.waited', 'yes', true)"
     )
 }
 
@@ -106,8 +117,9 @@ macro_rules! from_us {
 /// What the key-lock re-read adds for the completion: the transaction's start
 /// (`now()`: the completion's guard that it still runs in this transaction), the claim
 /// time (the database clock after the lock's wait), the record's expiry (the claim time
-/// + the retention, `$n` µs), all [`us!`], and the name under which this session
-/// prepared the completion, if it did (the session setting `idem.complete_<table>`).
+/// + the retention, `$n` µs), all [`us!`], the name under which this session prepared
+/// the completion, if it did (the session setting `idem.complete_<table>`), and whether
+/// this transaction holds the key lock.
 macro_rules! claim_times {
     ($n:literal, $prepared:literal) => {
         concat!(
@@ -122,7 +134,7 @@ macro_rules! claim_times {
             )),
             " AS expires, current_setting('",
             $prepared,
-            "', true) AS prepared"
+            "', true) AS prepared, current_setting('idem.locked', true) = 'yes' AS locked"
         )
     };
 }
@@ -146,26 +158,25 @@ pub(crate) const SELECT_MESSAGE_LOCKED: &str = concat!(
     " FROM (SELECT) AS one LEFT JOIN idem_processed_message AS m ON m.subscriber = $1 AND m.message_id = $2"
 );
 
-/// `bytes` as hex digits.
-fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut out = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        out.push(char::from(DIGITS[usize::from(b >> 4)]));
-        out.push(char::from(DIGITS[usize::from(b & 0x0f)]));
-    }
-    out
-}
-
-/// A text value written into a simple query (which binds nothing): its UTF-8 bytes as
-/// hex digits, so only `[0-9a-f]` of user data ever reaches the SQL text (nothing is
-/// quoted or escaped, whatever `standard_conforming_strings` says), and the server
-/// converts it to the database's encoding as it does a bound value.
+/// A text value written into a simple query (which binds nothing): an escape string
+/// constant, `E'…'`, whose meaning does not depend on `standard_conforming_strings`: each
+/// backslash and quote of the value is doubled, the only two characters such a constant
+/// treats specially, and everything else is the value's own UTF-8, which the server
+/// reads in the session's `client_encoding` (UTF8, set by sqlx) exactly as it reads a
+/// bound value. The value cannot hold a NUL (idem refuses one in keys, and JSON text
+/// escapes it), which no PostgreSQL text can.
 pub(crate) fn text_literal(value: &str) -> String {
-    format!(
-        "convert_from(decode('{}', 'hex'), 'UTF8')",
-        hex(value.as_bytes())
-    )
+    let mut out = String::with_capacity(value.len() + 3);
+    out.push_str("E'");
+    for c in value.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\'' => out.push_str("''"),
+            c => out.push(c),
+        }
+    }
+    out.push('\'');
+    out
 }
 
 fn optional_literal(value: Option<&str>) -> String {
@@ -875,19 +886,13 @@ pub(crate) const ALL: &[(&str, &str)] = &[
 #[cfg(test)]
 mod tests {
     #[test]
-    fn literals_carry_only_hex_digits_of_user_data() {
-        let lit = super::text_literal("k'); DROP TABLE x; -- \\ é");
-        let inner = lit
-            .strip_prefix("convert_from(decode('")
-            .and_then(|s| s.strip_suffix("', 'hex'), 'UTF8')"))
-            .expect("the literal's shape");
-        assert!(inner.bytes().all(|b| b.is_ascii_hexdigit()), "{lit}");
-        assert_eq!(inner.len() % 2, 0);
+    fn literals_escape_their_two_special_characters() {
+        assert_eq!(super::text_literal(""), "E''");
         assert_eq!(
-            super::text_literal(""),
-            "convert_from(decode('', 'hex'), 'UTF8')"
+            super::text_literal(r"k'); DROP TABLE x; -- \ é"),
+            r"E'k''); DROP TABLE x; -- \\ é'"
         );
-        assert_eq!(super::hex(&[0x00, 0x7f, 0xff]), "007fff");
+        assert_eq!(super::text_literal(r"\'"), r"E'\\'''");
     }
 
     #[test]
@@ -1019,7 +1024,8 @@ mod tests {
             super::complete_message_locked(["projection", "m-1"], None, &times(prepared), replace)
         };
         let built = [
-            ("begin_key_lock", super::begin_key_lock(250, -7)),
+            ("begin_key_lock", super::begin_key_lock(-7)),
+            ("wait_key_lock", super::wait_key_lock(250, -7)),
             ("complete_request_locked", request(Some("idem_cr_7"), false)),
             ("complete_request_locked_replacing", request(None, true)),
             ("complete_message_locked", message(Some("idem_cm_8"), false)),
