@@ -117,7 +117,7 @@ macro_rules! from_us {
 /// What the key-lock re-read adds for the completion: the transaction's start
 /// (`now()`: the completion's guard that it still runs in this transaction), the claim
 /// time (the database clock after the lock's wait), the record's expiry (the claim time
-/// + the retention, `$n` µs), all [`us!`], the name under which this session prepared
+/// plus the retention, `$n` µs), all [`us!`], the name under which this session prepared
 /// the completion, if it did (the session setting `idem.complete_<table>`), and whether
 /// this transaction holds the key lock.
 macro_rules! claim_times {
