@@ -294,10 +294,10 @@ mod postgres {
             amount: i64,
             hang: bool,
         ) -> Result<Value, DbError> {
-            let mut tx = backend.pool().begin().await.map_err(db_error)?;
+            let mut tx = PgTx::begin(backend.pool()).await?;
             let value =
                 Self::apply(&mut tx, key, amount, false, hang.then_some(Hook::Hang)).await?;
-            tx.commit().await.map_err(db_error)?;
+            tx.commit().await?;
             Ok(value)
         }
 

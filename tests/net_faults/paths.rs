@@ -337,7 +337,7 @@ const FINAL: [FinalVariant; 5] = [
                 k,
             ))))
         },
-        |k, s| {
+        |k, _| {
             Some(Fault::lose_reply(
                 Trigger::on(Marker::containing("nf_ledger").with(k)).then(Marker::kind("ROLLBACK")),
             ))
@@ -459,7 +459,7 @@ fn consume_effect<K: Net>(tx: &mut Tx<K>, key: String) -> BoxFuture<'_, Result<(
 }
 
 const CONSUME: [Variant; 6] = [
-    variant("commit: reply lost", |k, s| {
+    variant("commit: reply lost", |k, _| {
         Some(Fault::lose_reply(Trigger::commit_after(
             Marker::containing("nf_ledger").with(k),
         )))
@@ -476,12 +476,12 @@ const CONSUME: [Variant; 6] = [
             k,
         ))))
     }),
-    variant("commit: cut", |k, s| {
+    variant("commit: cut", |k, _| {
         Some(Fault::cut(Trigger::commit_after(
             Marker::containing("nf_ledger").with(k),
         )))
     }),
-    variant("commit: reply delayed", |k, s| {
+    variant("commit: reply delayed", |k, _| {
         Some(Fault::delay(
             SHORT_DELAY,
             Trigger::commit_after(Marker::containing("nf_ledger").with(k)),

@@ -7,28 +7,34 @@
 //! conformance suite (CI runs it with each).
 //!
 //! **The key lock** ([`ClaimStyle::KeyLock`], the default on a single server and its
-//! streaming replicas). The claim's `BEGIN` message also takes
-//! `pg_advisory_xact_lock` of the identity's 64-bit name
-//! ([`idem_core::Identity::lock_key`], with the table's OID mixed in), so calls with the
-//! same key queue there, each waiting at most the wait bound; then one `SELECT` reads
-//! the record: a live one replays, none (or an expired one) and the effect runs. There
-//! is no placeholder: the record is written **once, complete**, just before `COMMIT`, by
-//! an `INSERT … ON CONFLICT (pk) DO UPDATE` that replaces an expired record only, and
-//! that `INSERT` and the `COMMIT` travel in one message. The primary key still refuses a
-//! second record: a record committed meanwhile by a session that takes no key lock (an
-//! earlier idem, SQL of the application's own) makes the completion fail before its
-//! `COMMIT`, and the retry replays that record. A new request costs one round trip more
-//! than its bare effect (none without the replay fast path), and writes one row where a
-//! placeholder costs a row and its update (`docs/performance.md`).
+//! streaming replicas). The claim's `BEGIN` message also tries
+//! `pg_try_advisory_xact_lock` of the identity's 64-bit name
+//! ([`idem_core::Identity::lock_key`], with the table's OID mixed in), which never
+//! waits; only when another transaction holds the name does a second message wait for
+//! it, bounded by the wait bound (the session's `lock_timeout` saved, set and restored
+//! inside that one statement), so calls with the same key queue there. Then one
+//! `SELECT` reads the record: a live one replays, none (or an expired one) and the
+//! effect runs. There is no placeholder: the record is written **once, complete**, just
+//! before `COMMIT`, by an `INSERT … ON CONFLICT (pk) DO UPDATE` that replaces an expired
+//! record only; each session prepares that `INSERT` once (`PREPARE idem_cr_<n>`, the name
+//! kept in the session setting `idem.complete_request`) and then sends `EXECUTE …;
+//! COMMIT` in one message. The primary key still refuses a second record: a record
+//! committed meanwhile by a session that takes no key lock (an earlier idem, SQL of the
+//! application's own) makes the completion fail before its `COMMIT`, and the retry
+//! replays that record. A new request costs two round trips more than its bare effect
+//! with the replay fast path, one without it, and writes one row where a placeholder
+//! costs a row and its update (`docs/performance.md`).
 //!
 //! The completion's guards fail **on purpose** with SQLSTATE 23502 (a `NOT NULL` column
 //! set to `NULL`), which stops the message before its `COMMIT`; the error's column (a
 //! structured field, never the message text) names the guard: the claiming transaction
 //! ended inside the effect, the record's retention ran out while the effect ran, or a
 //! live record was written without the lock. A simple query binds nothing, so the
-//! completion's user values travel as hex literals (`convert_from(decode('…', 'hex'),
-//! 'UTF8')`: only `[0-9a-f]` of user data reaches the SQL text); the key lock's `BEGIN`
-//! carries integers only.
+//! completion's user values travel as escape-string constants (`E'…'`, each backslash
+//! and quote doubled: the meaning does not depend on `standard_conforming_strings`); the
+//! key lock's `BEGIN` carries integers only. A prepared completion another statement
+//! deallocated (`DEALLOCATE ALL`, a pooler's reset) answers 26000: idem forgets the name,
+//! rolls back and retries with the same key, preparing it again.
 //!
 //! Under REPEATABLE READ or SERIALIZABLE the snapshot is taken by the `BEGIN` message's
 //! first `SELECT`, before the lock's wait: a claim that had to wait for the key and then
@@ -493,9 +499,9 @@ impl PgBackend {
     ) -> Result<PgTx, DbError> {
         let ms = lock_timeout_ms(wait);
         if !self.on_citus(&mut conn).await? {
-            return PgTx::begin(conn, Some(single(ms))).await;
+            return PgTx::open(conn, Some(single(ms))).await;
         }
-        let mut tx = PgTx::begin(conn, None).await?;
+        let mut tx = PgTx::open(conn, None).await?;
         let bound = sqlx::raw_sql(sqlx::AssertSqlSafe(sql::bound_citus(ms)))
             .execute(&mut *tx)
             .await;
@@ -540,7 +546,7 @@ impl ClaimSteps for PgClaim<'_> {
         self.backend.flavor(&mut conn).await?;
         if self.backend.key_lock() {
             let lock = self.backend.lock_name(&mut conn, &claim.id).await?;
-            let tx = PgTx::begin(conn, Some(sql::begin_key_lock(lock))).await?;
+            let tx = PgTx::open(conn, Some(sql::begin_key_lock(lock))).await?;
             return Ok(Begun::Open(PgOpen {
                 tx,
                 restored: true,
@@ -826,7 +832,7 @@ fn locked_completion_error(e: sqlx::Error) -> DbError {
         (Some(error_codes::NOT_NULL_VIOLATION), Some("created_at" | "processed_at")) => {
             not_completed(Some(true))
         }
-        (Some(error_codes::NOT_NULL_VIOLATION), Some("principal" | "subscriber"))
+        (Some(error_codes::NOT_NULL_VIOLATION), Some("expires_at"))
         | (Some(error_codes::UNIQUE_VIOLATION), _) => DbError::new(
             "postgres",
             ErrorKind::Transient,

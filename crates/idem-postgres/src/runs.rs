@@ -43,7 +43,7 @@ impl RunStore for PgBackend {
             }
             None => {
                 let conn = self.pool().acquire().await.map_err(db_error)?;
-                PgTx::begin(conn, None).await
+                PgTx::open(conn, None).await
             }
         }
     }

@@ -258,16 +258,16 @@ pub(crate) const PREPARED_MESSAGE: &str = concat!(
     locked_message_values!("$1", "$2", "$3", "$4", "$5", "$6")
 );
 /// Replacing an expired record instead of inserting: `ON CONFLICT … DO UPDATE` of that
-/// record only; a live one sets the first key column to `NULL` (23502).
+/// record only; a live one sets `expires_at` to `NULL` (23502). Only columns the
+/// least-privilege writer may update (`grants.sql`) are set: never a key column.
 const REPLACE_REQUEST: &str = " ON CONFLICT (principal, operation, request_key) DO UPDATE SET \
-     principal = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.principal END, \
      request = excluded.request, response = excluded.response, status = excluded.status, \
-     created_at = excluded.created_at, expires_at = excluded.expires_at";
+     created_at = excluded.created_at, \
+     expires_at = CASE WHEN r.expires_at <= statement_timestamp() THEN excluded.expires_at END";
 /// [`REPLACE_REQUEST`] for messages.
 const REPLACE_MESSAGE: &str = " ON CONFLICT (subscriber, message_id) DO UPDATE SET \
-     subscriber = CASE WHEN m.expires_at <= statement_timestamp() THEN excluded.subscriber END, \
      fingerprint = excluded.fingerprint, processed_at = excluded.processed_at, \
-     expires_at = excluded.expires_at";
+     expires_at = CASE WHEN m.expires_at <= statement_timestamp() THEN excluded.expires_at END";
 
 /// The key-lock completion and its `COMMIT` in one message. A new key executes the
 /// session's prepared completion (preparing it first, under a new name kept in the

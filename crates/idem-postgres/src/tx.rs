@@ -41,7 +41,7 @@ impl PgTx {
     /// `lock_timeout`), the server is left inside an aborted transaction that sqlx does
     /// not count: it is rolled back here (one more round trip, on that path only), and a
     /// connection that cannot be rolled back is closed, never reused.
-    pub(crate) async fn begin(
+    pub(crate) async fn open(
         mut conn: PoolConnection<Postgres>,
         statement: Option<String>,
     ) -> Result<Self, DbError> {
@@ -65,8 +65,21 @@ impl PgTx {
         }
     }
 
+    /// Opens a transaction of your own on a connection from `pool`, outside idem (no
+    /// record, no claim): to run an effect written for idem (`async fn debit(tx: &mut
+    /// PgTx, …)`) in a migration, an admin tool or a test. End it with [`commit`] or
+    /// [`rollback`]; dropped while open, it rolls back. The transactions idem hands to
+    /// effects come as `&mut PgTx`, which neither can end.
+    ///
+    /// [`commit`]: PgTx::commit
+    /// [`rollback`]: PgTx::rollback
+    pub async fn begin(pool: &sqlx::PgPool) -> Result<Self, DbError> {
+        let conn = pool.acquire().await.map_err(db_error)?;
+        Self::open(conn, None).await
+    }
+
     /// Commits (`COMMIT`, one round trip).
-    pub(crate) async fn commit(mut self) -> Result<(), DbError> {
+    pub async fn commit(mut self) -> Result<(), DbError> {
         PgTransactionManager::commit(&mut self.conn)
             .await
             .map_err(db_error)
@@ -74,7 +87,7 @@ impl PgTx {
 
     /// Rolls back (`ROLLBACK`, one round trip). If that fails the drop queues another
     /// and the pool closes the connection when its check fails.
-    pub(crate) async fn rollback(mut self) -> Result<(), DbError> {
+    pub async fn rollback(mut self) -> Result<(), DbError> {
         PgTransactionManager::rollback(&mut self.conn)
             .await
             .map_err(db_error)

@@ -177,6 +177,63 @@ async fn a_record_written_without_the_lock_wins_and_replays() {
     admin.close().await;
 }
 
+/// The same on the replacing path: the claim found the key's record expired, and while
+/// the effect ran another session (no key lock) renewed it, live. The completion's
+/// `ON CONFLICT DO UPDATE` refuses to overwrite a live record (without touching a key
+/// column, which the least-privilege writer may not update), the effect rolls back, and
+/// the retry replays the renewed record.
+#[tokio::test]
+async fn an_expired_record_renewed_meanwhile_is_not_overwritten() {
+    let admin = admin().await;
+    let (backend, name) = schema(&admin, "renewed").await;
+    sqlx::raw_sql(
+        "CREATE TABLE effects (n int); \
+         INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+         VALUES ('p', 'op:v1', 'k', '{\"n\":1}', '5', 0, now() - interval '2 days', now() - interval '1 day')",
+    )
+    .execute(backend.pool())
+    .await
+    .unwrap();
+    let writer = backend.pool().clone();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let out = Idem::new(backend.clone())
+        .execute(
+            &scope(),
+            &Key::new("k").unwrap(),
+            &Request::new(serde_json::json!({"n": 1})),
+            {
+                let runs = Arc::clone(&runs);
+                move |tx| {
+                    let (writer, first) = (writer.clone(), runs.fetch_add(1, Ordering::SeqCst) == 0);
+                    Box::pin(async move {
+                        sqlx::query("INSERT INTO effects VALUES (1)")
+                            .execute(&mut **tx)
+                            .await?;
+                        if first {
+                            sqlx::query(
+                                "UPDATE idem_request_result SET response = '8', created_at = now(), \
+                                 expires_at = now() + interval '1 day' WHERE request_key = 'k'",
+                            )
+                            .execute(&writer)
+                            .await?;
+                        }
+                        Ok::<_, sqlx::Error>(1_i64)
+                    })
+                }
+            },
+        )
+        .await;
+    assert!(matches!(out, Ok(Outcome::Replayed(8))), "{out:?}");
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry replays without the effect");
+    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
+        .fetch_one(backend.pool())
+        .await
+        .unwrap();
+    assert_eq!(effects, 0, "the effect's writes rolled back with the refused completion");
+    drop_schema(&admin, backend, &name).await;
+    admin.close().await;
+}
+
 /// The lock and the claim's settings end with the transaction: a call right after a
 /// failed effect takes the key at once, and a session handed out again by the pool
 /// holds no advisory lock and no idem setting.
