@@ -85,9 +85,10 @@
 //! # Fast-path reads and large payloads
 //!
 //! A session whose default is READ UNCOMMITTED must never see, let alone replay, an
-//! uncommitted winner. On MariaDB the replay lookup is one locking read that skips held
-//! rows (`LOCK IN SHARE MODE SKIP LOCKED`, autocommit: it reads the latest committed
-//! version, never waits, and its shared lock ends with the statement); on MySQL it
+//! uncommitted winner. On MariaDB the replay lookup is one plain autocommit read (no
+//! lock, never waits: under READ COMMITTED and stricter it sees committed versions only)
+//! whose last column says whether the session reads uncommitted rows
+//! (`@@SESSION.tx_isolation`); a row read so is no replay, and the claim decides. On MySQL it
 //! runs after `SET TRANSACTION ISOLATION LEVEL READ COMMITTED` (which applies to the
 //! next transaction: the lookup's autocommit read), a round trip of its own.
 //! A request or response that does not fit the server's `max_allowed_packet` (read once
@@ -1087,8 +1088,7 @@ impl Backend for MysqlBackend {
         let mariadb = self.server().await?.mariadb;
         let mut conn = self.conn().await?;
         let lookup = if mariadb {
-            // A locking read that skips held rows: committed versions only, in one
-            // statement.
+            // A plain read that says whether the session reads uncommitted rows.
             target.lookup_committed
         } else {
             // Pinned: a session at READ UNCOMMITTED would otherwise see (and replay) an
@@ -1098,19 +1098,21 @@ impl Backend for MysqlBackend {
                 .map_err(db_error)?;
             target.lookup
         };
-        let row: Option<Row> = match conn.exec_first(lookup, target.params(vec![], vec![])).await {
-            Ok(row) => row,
-            // On Galera a replicated write set that needs the row aborts the locking
-            // read (1213, a "brute-force abort"); like a row `SKIP LOCKED` skipped, that
-            // is no replay from the fast path: the claim decides, with its retries.
-            Err(e)
-                if mariadb
-                    && error_codes::server_code(&e) == Some(error_codes::ER_LOCK_DEADLOCK) =>
-            {
-                None
+        let mut row: Option<Row> = conn
+            .exec_first(lookup, target.params(vec![], vec![]))
+            .await
+            .map_err(db_error)?;
+        if mariadb {
+            // Read at READ UNCOMMITTED, the row may be a winner's unfinished one: no replay
+            // from the fast path, the claim decides.
+            let flag = if target.is_request { 3 } else { 1 };
+            if let Some(r) = row.as_mut() {
+                let dirty: Option<i64> = take(r, flag, "dirty")?;
+                if dirty.unwrap_or(0) != 0 {
+                    row = None;
+                }
             }
-            Err(e) => return Err(db_error(e)),
-        };
+        }
         drop(conn);
         row.map(|row| target.read(row, false).map(|(stored, _)| stored))
             .transpose()

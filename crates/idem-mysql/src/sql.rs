@@ -90,14 +90,18 @@ macro_rules! lookup_request {
 /// [`READ_COMMITTED`] (so a session at READ UNCOMMITTED never replays an uncommitted
 /// placeholder). Params: principal, operation, key.
 pub(crate) const LOOKUP_REQUEST: &str = lookup_request!();
-/// The replay fast path on MariaDB, one statement whatever the session's isolation: a
-/// locking read (autocommit: its shared lock ends with the statement) returns the
-/// latest *committed* version, and `SKIP LOCKED` (MariaDB 10.6+) skips a row another
-/// transaction holds (a winner's uncommitted placeholder or completion, an expired
-/// record being taken over), which is then no replay: the claim decides. Never waits.
-/// Params: principal, operation, key.
-pub(crate) const LOOKUP_REQUEST_COMMITTED: &str =
-    concat!(lookup_request!(), " LOCK IN SHARE MODE SKIP LOCKED");
+/// The replay fast path on MariaDB, one plain read outside any write transaction (no
+/// lock, no round trip of its own): under READ COMMITTED, REPEATABLE READ or
+/// SERIALIZABLE an autocommit read sees committed versions only. Its last column says
+/// whether the session reads uncommitted rows (`@@SESSION.tx_isolation`); a row read so
+/// is no replay, and the claim decides. (A one-shot `SET TRANSACTION ISOLATION LEVEL READ
+/// UNCOMMITTED` left pending on a pooled session by other code is not seen; idem's own
+/// sessions never set one.) Params: principal, operation, key.
+pub(crate) const LOOKUP_REQUEST_COMMITTED: &str = concat!(
+    "SELECT request, response, status, @@SESSION.tx_isolation = 'READ-UNCOMMITTED' AS dirty FROM idem_request_result WHERE ",
+    request_pk!(),
+    " AND expires_at > UTC_TIMESTAMP(6)"
+);
 /// Pins the next transaction (the lookup's autocommit read) to READ COMMITTED.
 pub(crate) const READ_COMMITTED: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
@@ -279,8 +283,11 @@ macro_rules! lookup_message {
 /// Params: subscriber, message ID.
 pub(crate) const LOOKUP_MESSAGE: &str = lookup_message!();
 /// [`LOOKUP_MESSAGE`] on MariaDB (see [`LOOKUP_REQUEST_COMMITTED`]).
-pub(crate) const LOOKUP_MESSAGE_COMMITTED: &str =
-    concat!(lookup_message!(), " LOCK IN SHARE MODE SKIP LOCKED");
+pub(crate) const LOOKUP_MESSAGE_COMMITTED: &str = concat!(
+    "SELECT fingerprint, @@SESSION.tx_isolation = 'READ-UNCOMMITTED' AS dirty FROM idem_processed_message WHERE ",
+    message_pk!(),
+    " AND expires_at > UTC_TIMESTAMP(6)"
+);
 
 /// Saves the session's `innodb_lock_wait_timeout` and bounds the claim's lock waits
 /// (whole seconds, appended by the backend: an integer, never user text).
