@@ -1,6 +1,8 @@
 //! Criterion micro-benchmarks of the pure-Rust parts on every call's path: identifier
 //! validation, the canonical request, and the comparison of a stored request with the
-//! supplied one (byte-equal fast path, and the reparse for reformatted stored JSON).
+//! supplied one (byte-equal fast path, and the reparse for reformatted stored JSON),
+//! and the name of an identity's key lock (`Identity::lock_key`: SHA-256 of its parts,
+//! once per new request on PostgreSQL).
 //! CI runs them once each in test mode (`cargo test --benches`); no timing is asserted.
 
 use std::hint::black_box;
@@ -100,5 +102,37 @@ fn stored_comparison(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(hot, identifiers, canonical, stored_comparison);
+fn lock_keys(c: &mut Criterion) {
+    use idem::core::Identity;
+    use idem::{MessageId, Subscriber};
+    let mut g = c.benchmark_group("lock_key");
+    let scope = match (Principal::new("account-1"), Operation::new("debit", 1)) {
+        (Ok(p), Ok(o)) => idem::Scope::new(p, o),
+        _ => panic!("scope"),
+    };
+    let key = Key::new("3f2b8c1e-9d4a-4e7b-a2f0-5c6d7e8f9a0b").unwrap_or_else(|e| panic!("{e}"));
+    g.bench_function("request", |b| {
+        b.iter(|| {
+            Identity::Request {
+                scope: black_box(&scope),
+                key: black_box(&key),
+            }
+            .lock_key()
+        })
+    });
+    let subscriber = Subscriber::new("billing").unwrap_or_else(|e| panic!("{e}"));
+    let message = MessageId::new("msg-3f2b8c1e-9d4a").unwrap_or_else(|e| panic!("{e}"));
+    g.bench_function("message", |b| {
+        b.iter(|| {
+            Identity::Message {
+                subscriber: black_box(&subscriber),
+                message_id: black_box(&message),
+            }
+            .lock_key()
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(hot, identifiers, canonical, stored_comparison, lock_keys);
 criterion_main!(hot);

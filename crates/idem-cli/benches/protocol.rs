@@ -5,6 +5,8 @@
 //! connection on PostgreSQL); `new_request_no_fast_path` is the same without the read.
 //! On SQLite, `sqlite_sync/new_request` is the same debit as synchronous code through
 //! `ExecuteBlocking::execute_blocking` (the whole call in one trip to the blocking pool).
+//! On PostgreSQL, `postgres_claim/*` compares the two claim styles on one new request
+//! each: the key lock (the default on a single server) and the placeholder row.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -104,6 +106,33 @@ fn sqlite_sync(c: &mut Criterion, url: &str) {
     let _ = rt.block_on(bank.close());
 }
 
+/// A new request on PostgreSQL with each claim style, in one group.
+fn postgres_claims(c: &mut Criterion, url: &str) {
+    use idem::postgres::ClaimStyle;
+    use idem_conformance::postgres::PgBank;
+    let (rt, bank, _, scope, request) = prepare::<PgBank>(url, "criterion-claims");
+    let next = AtomicU64::new(0);
+    let mut group = c.benchmark_group("postgres_claim");
+    for (name, style) in [
+        ("key_lock", ClaimStyle::KeyLock),
+        ("placeholder", ClaimStyle::Placeholder),
+    ] {
+        let idem = Idem::new(bank.backend().clone().with_claim_style(style));
+        group.bench_function(name, |b| {
+            b.to_async(&rt).iter(|| async {
+                let key = Key::new(format!("{name}-{}", next.fetch_add(1, Ordering::Relaxed)))
+                    .unwrap_or_else(|e| panic!("{e}"));
+                let out = idem
+                    .execute(&scope, &key, &request, |tx| PgBank::debit(tx, 1, 1))
+                    .await;
+                assert!(matches!(out, Ok(idem::Outcome::Executed(_))), "{out:?}");
+            });
+        });
+    }
+    group.finish();
+    let _ = rt.block_on(bank.close());
+}
+
 fn benches(c: &mut Criterion) {
     let dir = std::env::temp_dir().join("idem-bench");
     let sqlite = format!("sqlite://{}/bench.db", dir.display());
@@ -111,6 +140,7 @@ fn benches(c: &mut Criterion) {
     sqlite_sync(c, &sqlite);
     if let Ok(url) = std::env::var("IDEM_POSTGRES_URL") {
         paths::<idem_conformance::postgres::PgBank>(c, &url);
+        postgres_claims(c, &url);
     }
     #[cfg(feature = "mysql")]
     if let Ok(url) = std::env::var("IDEM_MYSQL_URL") {
