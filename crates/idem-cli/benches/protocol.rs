@@ -110,7 +110,7 @@ fn sqlite_sync(c: &mut Criterion, url: &str) {
 fn postgres_claims(c: &mut Criterion, url: &str) {
     use idem::postgres::ClaimStyle;
     use idem_conformance::postgres::PgBank;
-    let (rt, bank, _, scope, request) = prepare::<PgBank>(url, "criterion-claims");
+    let (rt, bank, _, scope, request) = prepare::<PgBank>(url, "criterion_claims");
     let next = AtomicU64::new(0);
     let mut group = c.benchmark_group("postgres_claim");
     for (name, style) in [

@@ -117,18 +117,19 @@ async fn the_same_key_in_two_schemas_never_waits() {
     admin.close().await;
 }
 
-/// A record of the key committed meanwhile by a session that takes no key lock (SQL of
-/// the application's own, or an idem claiming with a placeholder): the completion's
-/// guard stops its COMMIT, the effect's writes roll back, and the retry replays that
-/// record.
-#[tokio::test]
-async fn a_record_written_without_the_lock_wins_and_replays() {
+/// Runs one call with key `k` whose effect, the first time only, has another session
+/// (no key lock) run `meanwhile` and commit; `setup` runs before the call. The
+/// completion's guard must stop the COMMIT: the effect's writes roll back, and the retry
+/// replays `expected` without running the effect again.
+async fn a_foreign_write_meanwhile_replays(
+    name: &str,
+    setup: &'static str,
+    meanwhile: &'static str,
+    expected: i64,
+) {
     let admin = admin().await;
-    let (backend, name) = schema(&admin, "foreign").await;
-    sqlx::raw_sql("CREATE TABLE effects (n int)")
-        .execute(backend.pool())
-        .await
-        .unwrap();
+    let (backend, schema_name) = schema(&admin, name).await;
+    sqlx::raw_sql(setup).execute(backend.pool()).await.unwrap();
     let writer = backend.pool().clone();
     let runs = Arc::new(AtomicUsize::new(0));
     let out = Idem::new(backend.clone())
@@ -139,19 +140,14 @@ async fn a_record_written_without_the_lock_wins_and_replays() {
             {
                 let runs = Arc::clone(&runs);
                 move |tx| {
-                    let (writer, first) = (writer.clone(), runs.fetch_add(1, Ordering::SeqCst) == 0);
+                    let (writer, first) =
+                        (writer.clone(), runs.fetch_add(1, Ordering::SeqCst) == 0);
                     Box::pin(async move {
                         sqlx::query("INSERT INTO effects VALUES (1)")
                             .execute(&mut **tx)
                             .await?;
                         if first {
-                            // Another session commits the key's record, no lock taken.
-                            sqlx::query(
-                                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
-                                 VALUES ('p', 'op:v1', 'k', '{\"n\":1}', '7', 0, now(), now() + interval '1 day')",
-                            )
-                            .execute(&writer)
-                            .await?;
+                            sqlx::query(meanwhile).execute(&writer).await?;
                         }
                         Ok::<_, sqlx::Error>(1_i64)
                     })
@@ -159,7 +155,10 @@ async fn a_record_written_without_the_lock_wins_and_replays() {
             },
         )
         .await;
-    assert!(matches!(out, Ok(Outcome::Replayed(7))), "{out:?}");
+    assert!(
+        matches!(out, Ok(Outcome::Replayed(n)) if n == expected),
+        "{out:?}"
+    );
     assert_eq!(
         runs.load(Ordering::SeqCst),
         1,
@@ -173,65 +172,42 @@ async fn a_record_written_without_the_lock_wins_and_replays() {
         effects, 0,
         "the effect's writes rolled back with the refused completion"
     );
-    drop_schema(&admin, backend, &name).await;
+    drop_schema(&admin, backend, &schema_name).await;
     admin.close().await;
+}
+
+/// A record of the key committed meanwhile by a session that takes no key lock (SQL of
+/// the application's own, or an idem claiming with a placeholder): the completion's
+/// `INSERT` meets it (23505), and the retry replays that record.
+#[tokio::test]
+async fn a_record_written_without_the_lock_wins_and_replays() {
+    a_foreign_write_meanwhile_replays(
+        "foreign",
+        "CREATE TABLE effects (n int)",
+        "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+         VALUES ('p', 'op:v1', 'k', '{\"n\":1}', '7', 0, now(), now() + interval '1 day')",
+        7,
+    )
+    .await;
 }
 
 /// The same on the replacing path: the claim found the key's record expired, and while
 /// the effect ran another session (no key lock) renewed it, live. The completion's
 /// `ON CONFLICT DO UPDATE` refuses to overwrite a live record (without touching a key
-/// column, which the least-privilege writer may not update), the effect rolls back, and
-/// the retry replays the renewed record.
+/// column, which the least-privilege writer may not update), and the retry replays the
+/// renewed record.
 #[tokio::test]
 async fn an_expired_record_renewed_meanwhile_is_not_overwritten() {
-    let admin = admin().await;
-    let (backend, name) = schema(&admin, "renewed").await;
-    sqlx::raw_sql(
+    a_foreign_write_meanwhile_replays(
+        "renewed",
         "CREATE TABLE effects (n int); \
          INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
          VALUES ('p', 'op:v1', 'k', '{\"n\":1}', '5', 0, now() - interval '2 days', now() - interval '1 day')",
+        "UPDATE idem_request_result SET response = '8', created_at = now(), \
+         expires_at = now() + interval '1 day' WHERE request_key = 'k'",
+        8,
     )
-    .execute(backend.pool())
-    .await
-    .unwrap();
-    let writer = backend.pool().clone();
-    let runs = Arc::new(AtomicUsize::new(0));
-    let out = Idem::new(backend.clone())
-        .execute(
-            &scope(),
-            &Key::new("k").unwrap(),
-            &Request::new(serde_json::json!({"n": 1})),
-            {
-                let runs = Arc::clone(&runs);
-                move |tx| {
-                    let (writer, first) = (writer.clone(), runs.fetch_add(1, Ordering::SeqCst) == 0);
-                    Box::pin(async move {
-                        sqlx::query("INSERT INTO effects VALUES (1)")
-                            .execute(&mut **tx)
-                            .await?;
-                        if first {
-                            sqlx::query(
-                                "UPDATE idem_request_result SET response = '8', created_at = now(), \
-                                 expires_at = now() + interval '1 day' WHERE request_key = 'k'",
-                            )
-                            .execute(&writer)
-                            .await?;
-                        }
-                        Ok::<_, sqlx::Error>(1_i64)
-                    })
-                }
-            },
-        )
-        .await;
-    assert!(matches!(out, Ok(Outcome::Replayed(8))), "{out:?}");
-    assert_eq!(runs.load(Ordering::SeqCst), 1, "the retry replays without the effect");
-    let effects: i64 = sqlx::query_scalar("SELECT count(*) FROM effects")
-        .fetch_one(backend.pool())
-        .await
-        .unwrap();
-    assert_eq!(effects, 0, "the effect's writes rolled back with the refused completion");
-    drop_schema(&admin, backend, &name).await;
-    admin.close().await;
+    .await;
 }
 
 /// The lock and the claim's settings end with the transaction: a call right after a
