@@ -70,8 +70,8 @@
 //! whatever set the session's value (configuration, role, startup options, or a `SET`
 //! on the pooled connection). On a single node the claim's `INSERT` does that itself
 //! when it inserted (`INSERT … ON CONFLICT DO NOTHING RETURNING set_config(…)`), so
-//! the bound costs no round trip of its own (with the key lock, the `BEGIN` message
-//! takes the lock and gives the value back). On Citus a separate `SET
+//! the bound costs no round trip of its own (with the key lock, `lock_timeout` changes
+//! only inside the one statement that waits for a key another transaction holds). On Citus a separate `SET
 //! LOCAL lock_timeout TO DEFAULT` follows the claim, which reaches the workers: there
 //! the effect gets the *default* back (the configuration's, role's or startup
 //! options' value, not a plain `SET` made earlier on the pooled session; the workers
@@ -204,14 +204,15 @@ pub enum ClaimStyle {
     #[default]
     Auto,
     /// The claim takes a transaction-scoped advisory lock named by the identity
-    /// ([`idem_core::Identity::lock_key`]), bounded by the wait, and re-reads the
-    /// record; the record is written once, complete, by the statement that inserts it
-    /// just before `COMMIT`, and travels with the `COMMIT` in one message. A new request
-    /// costs one round trip more than its bare effect with the replay fast path (none
-    /// without), and one row written instead of a placeholder and its update (see
-    /// `docs/performance.md`). Needs `pg_advisory_xact_lock` on the server that runs the
-    /// transaction: a single server or a streaming primary. Not for Citus, whose
-    /// advisory locks are local to each node.
+    /// ([`idem_core::Identity::lock_key`]) in its `BEGIN` message (a held name is waited
+    /// for, bounded by the wait) and re-reads the record; the record is written once,
+    /// complete, by the statement that inserts it just before `COMMIT`, and travels with
+    /// the `COMMIT` in one message. A new request costs two round trips more than its
+    /// bare effect with the replay fast path (one without), and one row written instead
+    /// of a placeholder and its update (see `docs/performance.md`). Needs
+    /// `pg_advisory_xact_lock` on the server that runs the transaction: a single server
+    /// or a streaming primary. Not for Citus, whose advisory locks are local to each
+    /// node: there the placeholder claim runs even when this style is chosen.
     KeyLock,
     /// The pattern's reference claim: `INSERT … ON CONFLICT DO NOTHING` of an unfinished
     /// placeholder, a separate re-read after a conflict, and the completion `UPDATE`
