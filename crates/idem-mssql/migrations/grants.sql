@@ -1,7 +1,7 @@
 -- idem: least-privilege roles for SQL Server 2019+ (written from the documentation; not
 -- verified live here). Not a migration: run it with sqlcmd (batches end with GO) as the
 -- owner (db_owner) of idem's tables, in their database and default schema, AFTER the
--- migrations (0001 to 0004). It is idempotent.
+-- migrations (0001 to 0005). It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim
 --                (INSERT), complete a placeholder and take over an EXPIRED record

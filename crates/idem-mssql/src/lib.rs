@@ -209,6 +209,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_outbox_retries.sql",
         sql: include_str!("../migrations/0004_outbox_retries.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_drop_claim_time_indexes.sql",
+        sql: include_str!("../migrations/0005_drop_claim_time_indexes.sql"),
+    },
 ];
 
 /// The longest retention expressed exactly: 700,000 days (about 1,916 years). Longer
@@ -965,7 +970,7 @@ mod tests {
 
     #[test]
     fn migration_0003_creates_runs_and_the_outbox_guarded() {
-        assert_eq!(MIGRATIONS.len(), 4);
+        assert_eq!(MIGRATIONS.len(), 5);
         assert_eq!(MIGRATIONS[2].version, 3);
         let statements = MIGRATIONS[2].statements();
         assert_eq!(statements.len(), 6, "{statements:#?}");
@@ -994,6 +999,26 @@ mod tests {
         }
         assert!(all.contains("id bigint IDENTITY(1, 1) NOT NULL"));
         assert!(all.contains("CREATE INDEX idem_outbox_unsent ON idem_outbox (destination, id)"));
+    }
+
+    #[test]
+    fn migration_0005_drops_the_claim_time_indexes_guarded() {
+        assert_eq!(MIGRATIONS[4].version, 5);
+        let statements = MIGRATIONS[4].statements();
+        assert_eq!(statements.len(), 2, "{statements:#?}");
+        for (s, index) in statements.iter().zip([
+            "idem_request_result_created_at",
+            "idem_processed_message_processed_at",
+        ]) {
+            assert!(
+                s.starts_with(&format!(
+                    "IF EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'{index}'"
+                )),
+                "{s}"
+            );
+            assert!(s.contains(&format!("DROP INDEX {index} ON ")), "{s}");
+            assert!(!s.trim_end().ends_with(';'), "{s}");
+        }
     }
 
     #[test]

@@ -67,7 +67,7 @@ async fn private(
     let backend = MssqlBackend::connect_with(options.database(&name).max_connections(connections))
         .await
         .unwrap();
-    assert_eq!(backend.migrate().await.unwrap(), vec![1, 2, 3, 4]);
+    assert_eq!(backend.migrate().await.unwrap(), vec![1, 2, 3, 4, 5]);
     (admin, backend, name)
 }
 

@@ -1,6 +1,6 @@
 -- idem: least-privilege roles for MariaDB 10.11+ and MySQL 8.4. Not a migration: run
 -- it with the mysql client (it uses DELIMITER) as an administrator, with idem's
--- database selected (mysql … app_db < grants.sql), AFTER the migrations (0001 to 0004).
+-- database selected (mysql … app_db < grants.sql), AFTER the migrations (0001 to 0005).
 -- It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim

@@ -28,6 +28,9 @@ pub const ER_SP_DOES_NOT_EXIST: u16 = 1305;
 /// `ER_BAD_NULL_ERROR`: `NULL` into a `NOT NULL` column (strict mode). A merged MariaDB
 /// completion raises it on purpose when its guard fails, to stop its `COMMIT`.
 pub const ER_BAD_NULL_ERROR: u16 = 1048;
+/// `ER_CANT_DROP_FIELD_OR_KEY`: `DROP INDEX` of an index that is not there; a migration
+/// re-run after an interruption tolerates it (MySQL 8 has no `DROP INDEX IF EXISTS`).
+pub const ER_CANT_DROP_FIELD_OR_KEY: u16 = 1091;
 /// `ER_SIGNAL_EXCEPTION`: a `SIGNAL SQLSTATE '45000'` without its own number (a stored
 /// program's or trigger's).
 pub const ER_SIGNAL_EXCEPTION: u16 = 1644;

@@ -247,6 +247,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_outbox_retries.sql",
         sql: include_str!("../migrations/0004_outbox_retries.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_drop_claim_time_indexes.sql",
+        sql: include_str!("../migrations/0005_drop_claim_time_indexes.sql"),
+    },
 ];
 
 /// The pool's size when the URL sets neither `pool_min` nor `pool_max`: room for 32
@@ -1264,7 +1269,16 @@ async fn apply_migrations(conn: &mut mysql_async::Conn) -> Result<Vec<u32>, DbEr
     let mut applied = Vec::new();
     for m in MIGRATIONS.iter().filter(|m| !done.contains(&m.version)) {
         for statement in m.statements() {
-            conn.query_drop(statement).await.map_err(db_error)?;
+            match conn.query_drop(statement.as_str()).await {
+                Ok(()) => {}
+                // The index is already gone: an interrupted earlier run dropped it
+                // (every DDL statement commits on its own).
+                Err(e)
+                    if statement.trim_start().starts_with("DROP INDEX")
+                        && error_codes::server_code(&e)
+                            == Some(error_codes::ER_CANT_DROP_FIELD_OR_KEY) => {}
+                Err(e) => return Err(db_error(e)),
+            }
         }
         conn.exec_drop(sql::INSERT_MIGRATION, (m.version, m.name))
             .await
@@ -1491,7 +1505,7 @@ mod tests {
 
     #[test]
     fn migration_is_embedded() {
-        assert_eq!(MIGRATIONS.len(), 4);
+        assert_eq!(MIGRATIONS.len(), 5);
         assert_eq!(MIGRATIONS[0].version, 1);
         assert_eq!(MIGRATIONS[1].version, 2);
         assert_eq!(MIGRATIONS[2].version, 3);

@@ -37,13 +37,13 @@ async fn concurrent_migrators_apply_each_version_once() {
     applied.sort_unstable();
     assert_eq!(
         applied,
-        vec![1, 2, 3, 4],
+        vec![1, 2, 3, 4, 5],
         "each version applied exactly once"
     );
     assert_eq!(
         db.scalar("SELECT COUNT(*) FROM idem_schema_migrations")
             .await,
-        4
+        5
     );
     assert_eq!(
         db.backend.migrate().await.expect("re-run"),
@@ -58,6 +58,25 @@ async fn concurrent_migrators_apply_each_version_once() {
         .await,
         4
     );
+    // 0005 dropped the claim-time indexes; the purge reads by expires_at.
+    let claim_time_indexes = "SELECT COUNT(*) FROM information_schema.statistics \
+        WHERE table_schema = DATABASE() AND index_name IN \
+        ('idem_request_result_created_at', 'idem_processed_message_processed_at')";
+    assert_eq!(db.scalar(claim_time_indexes).await, 0);
+    // A run interrupted after 0005's first DROP INDEX (each DDL statement commits on its
+    // own): the re-run meets an index that is already gone and still converges.
+    let mut conn = db.backend.pool().get_conn().await.expect("connection");
+    conn.query_drop(
+        "ALTER TABLE idem_processed_message ADD KEY idem_processed_message_processed_at (processed_at)",
+    )
+    .await
+    .expect("put one index back");
+    conn.query_drop("DELETE FROM idem_schema_migrations WHERE version = 5")
+        .await
+        .expect("forget 0005");
+    drop(conn);
+    assert_eq!(db.backend.migrate().await.expect("re-run of 0005"), vec![5]);
+    assert_eq!(db.scalar(claim_time_indexes).await, 0);
     db.drop_database().await;
 }
 

@@ -1,7 +1,7 @@
 -- idem: least-privilege roles for Oracle Database 19c+ (written from the documentation;
 -- not verified live here). Not a migration: run it with SQL*Plus or SQLcl (PL/SQL
 -- blocks end with '/') as the schema that owns idem's tables, AFTER the migrations
--- (0001 to 0004). CREATE ROLE needs the CREATE ROLE privilege; a re-run reports ORA-01921
+-- (0001 to 0005). CREATE ROLE needs the CREATE ROLE privilege; a re-run reports ORA-01921
 -- (role exists) for the first two statements and is otherwise idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim

@@ -29,6 +29,8 @@ pub const NAME_IN_USE: i32 = 955;
 pub const COLUMNS_ALREADY_INDEXED: i32 = 1408;
 /// ORA-01430: column being added already exists in table (a re-run migration).
 pub const COLUMN_ALREADY_EXISTS: i32 = 1430;
+/// ORA-01418: specified index does not exist (a re-run migration that drops one).
+pub const INDEX_DOES_NOT_EXIST: i32 = 1418;
 /// ORA-01400: cannot insert NULL (an empty string or RAW is NULL in Oracle).
 pub const CANNOT_INSERT_NULL: i32 = 1400;
 /// ORA-01017: invalid username/password; logon denied.

@@ -154,6 +154,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_outbox_retries.sql",
         sql: include_str!("../migrations/0004_outbox_retries.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_drop_claim_time_indexes.sql",
+        sql: include_str!("../migrations/0005_drop_claim_time_indexes.sql"),
+    },
 ];
 
 const ENGINE: &str = "oracle";
@@ -165,13 +170,14 @@ const MAX_INTERVAL_MICROS: i64 = 1000 * 31_557_600 * 1_000_000;
 /// The character sets in which CLOB text holds every Unicode character.
 const UNICODE_CHARSETS: &[&str] = &["AL32UTF8", "UTF8"];
 
-/// ORA numbers a migration statement may raise when its object already exists (a
-/// concurrent or interrupted earlier run): Oracle DDL has no `IF NOT EXISTS` before
-/// 23ai, and every DDL statement commits on its own.
+/// ORA numbers a migration statement may raise when its object already exists, or an
+/// object it drops is already gone (a concurrent or interrupted earlier run): Oracle DDL
+/// has no `IF [NOT] EXISTS` before 23ai, and every DDL statement commits on its own.
 const ALREADY_EXISTS: &[i32] = &[
     error_codes::NAME_IN_USE,
     error_codes::COLUMNS_ALREADY_INDEXED,
     error_codes::COLUMN_ALREADY_EXISTS,
+    error_codes::INDEX_DOES_NOT_EXIST,
 ];
 
 /// What the pool needs to open connections, and Oracle's checks for it: a connection is
@@ -1010,8 +1016,34 @@ mod tests {
     }
 
     #[test]
+    fn migration_0005_drops_the_claim_time_indexes_and_tolerates_a_rerun() {
+        assert_eq!(MIGRATIONS[4].version, 5);
+        let statements = MIGRATIONS[4].statements();
+        assert_eq!(
+            statements,
+            [
+                "DROP INDEX idem_request_result_created_at",
+                "DROP INDEX idem_processed_message_at"
+            ]
+        );
+        // The names 0001 created.
+        for name in [
+            "idem_request_result_created_at",
+            "idem_processed_message_at",
+        ] {
+            assert!(
+                MIGRATIONS[0]
+                    .sql
+                    .contains(&format!("CREATE INDEX {name} ON")),
+                "{name}"
+            );
+        }
+        assert!(ALREADY_EXISTS.contains(&error_codes::INDEX_DOES_NOT_EXIST));
+    }
+
+    #[test]
     fn migration_0003_creates_runs_and_the_outbox() {
-        assert_eq!(MIGRATIONS.len(), 4);
+        assert_eq!(MIGRATIONS.len(), 5);
         assert_eq!(MIGRATIONS[2].version, 3);
         let statements = MIGRATIONS[2].statements();
         assert_eq!(statements.len(), 6, "{statements:#?}");

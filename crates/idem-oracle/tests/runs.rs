@@ -62,7 +62,7 @@ impl Private {
         let private = ConnectOptions::new(name.clone(), password, options.connect_string())
             .max_connections(connections);
         let backend = OracleBackend::connect_with(private).await.unwrap();
-        assert_eq!(backend.migrate().await.unwrap(), vec![1, 2, 3, 4]);
+        assert_eq!(backend.migrate().await.unwrap(), vec![1, 2, 3, 4, 5]);
         Self {
             admin,
             backend,

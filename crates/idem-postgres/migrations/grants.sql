@@ -1,5 +1,5 @@
 -- idem: least-privilege roles for PostgreSQL 15+. Not a migration: run it as the owner
--- of idem's tables, in their schema (search_path), AFTER the migrations (0001 to 0004),
+-- of idem's tables, in their schema (search_path), AFTER the migrations (0001 to 0005),
 -- and again after any later migration. It is idempotent.
 --
 --   idem_writer  what Idem::execute / execute_final / consume need: read records, claim

@@ -173,6 +173,11 @@ pub const MIGRATIONS: &[Migration] = &[
         name: "0004_outbox_retries.sql",
         sql: include_str!("../migrations/0004_outbox_retries.sql"),
     },
+    Migration {
+        version: 5,
+        name: "0005_drop_claim_time_indexes.sql",
+        sql: include_str!("../migrations/0005_drop_claim_time_indexes.sql"),
+    },
 ];
 
 /// An idem backend on a PostgreSQL pool.
