@@ -454,3 +454,29 @@ async fn a_completed_request_returns_its_connection_outside_any_transaction() {
     backend.pool().close().await;
     drop_private(admin, wide, schema).await;
 }
+
+/// After the migrations the record tables carry their primary key and the `expires_at`
+/// index the purge reads by, nothing else: 0005 dropped the claim-time indexes no
+/// statement used, which every new record paid for.
+#[tokio::test]
+async fn the_record_tables_carry_only_the_indexes_idem_reads() {
+    let (admin, backend, schema) = private("indexes").await;
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE schemaname = $1 \
+         AND tablename IN ('idem_request_result', 'idem_processed_message') ORDER BY 1",
+    )
+    .bind(&schema)
+    .fetch_all(&admin)
+    .await
+    .unwrap();
+    assert_eq!(
+        indexes,
+        [
+            "idem_processed_message_expires_at",
+            "idem_processed_message_pkey",
+            "idem_request_result_expires_at",
+            "idem_request_result_pkey",
+        ]
+    );
+    drop_private(admin, backend, schema).await;
+}

@@ -337,3 +337,29 @@ async fn execute_blocking_runs_on_a_current_thread_runtime() {
         assert_eq!(out, expected);
     }
 }
+
+/// After the migrations the record tables carry the `expires_at` index the purge reads
+/// by and nothing else (`WITHOUT ROWID` tables keep their key in the table itself): 0005
+/// dropped the claim-time indexes no statement used.
+#[tokio::test]
+async fn the_record_tables_carry_only_the_indexes_idem_reads() {
+    let (backend, _idem) = memory().await;
+    let indexes = backend
+        .interact(|c| {
+            let mut s = c.prepare(
+                "SELECT name FROM sqlite_schema WHERE type = 'index' AND tbl_name IN \
+                 ('idem_request_result', 'idem_processed_message') ORDER BY name",
+            )?;
+            let names = s.query_map([], |r| r.get::<_, String>(0))?;
+            names.collect::<Result<Vec<_>, _>>()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        indexes,
+        [
+            "idem_processed_message_expires_at",
+            "idem_request_result_expires_at",
+        ]
+    );
+}
