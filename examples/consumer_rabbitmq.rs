@@ -136,6 +136,7 @@ async fn publish_and_consume(
                 properties = properties.with_message_id((*id).into());
             }
             publish_confirmed(
+                &connection,
                 &channel,
                 queue,
                 body.as_bytes(),

@@ -12,6 +12,10 @@
 //!   by the consumed work-queue stream itself (`<stream>.>`; issue 17.2);
 //! - `nats::sqlite::dead_letter_delivered_back_is_refused`: a consumer that would receive
 //!   its own dead letters does not start.
+//! - `amqp::queue_deleted_in_flight` (no database): a queue deleted and declared again
+//!   over and over under publishes; RabbitMQ confirms what it drops with a deleted
+//!   queue, and neither `publish_confirmed` (dead letters) nor `AmqpPublisher` (the
+//!   relay) counts such a publish as stored.
 //!
 //! On private instances (ports 5682–5689 and 4232–4239, see `private.rs`), all three
 //! engines at once or one after another:
@@ -1444,6 +1448,275 @@ async fn dead_letter_queue_deleted<K: Engine>(broker: Broker) -> Res {
     Ok(())
 }
 
+/// A queue deleted (when empty) and declared again, over and over, while publishes to it
+/// are on their way. RabbitMQ positively confirms a message routed to a queue that is
+/// deleted before the message reached it, and drops it with the queue; the consumer's
+/// dead-letter publish (`publish_confirmed`) and the relay's `AmqpPublisher` took such a
+/// confirm for a stored message. Now each confirm is followed by a lookup of the queue:
+/// every publish that succeeded is received by the drainers, and the others failed.
+///
+/// Two queues: one for `publish_confirmed`, one for the relay's publisher, which declares
+/// its queue again as soon as a publish finds it missing. A lookup cannot tell a queue
+/// declared again in the meantime from the one deleted, so a publisher whose queue
+/// someone else declares again within a round trip of the deletion is not covered; the
+/// deleter here declares both queues again only after a pause.
+async fn queue_deleted_in_flight() -> Res {
+    use futures_util::StreamExt;
+    use idem::consumer::amqp::publish_confirmed;
+    use idem::consumer::lapin::options::BasicConsumeOptions;
+    use std::sync::atomic::AtomicU32;
+
+    /// Deletions tried (each when the queue is empty), and how long the queue stays away.
+    const ROUNDS: u32 = 60;
+    const AWAY: Duration = Duration::from_millis(40);
+    /// Tasks publishing with `publish_confirmed`; one more publishes with `AmqpPublisher`.
+    const PUBLISHERS: u32 = 3;
+
+    let url = amqp_url();
+    let queue = unique("inflight");
+    let relayed = unique("inflight_relay");
+    let stop = Arc::new(AtomicBool::new(false));
+    let received: Arc<Mutex<BTreeMap<String, u32>>> = Arc::default();
+    let declare = |ch: lapin::Channel, queue: String| async move {
+        ch.queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions::durable(),
+            FieldTable::default(),
+        )
+        .await
+        .map_err(db)
+    };
+    let (admin, ch) = amqp_connect(&url).await?;
+    declare(ch.clone(), queue.clone()).await?;
+    declare(ch, relayed.clone()).await?;
+
+    // A drainer per queue consumes every message as it arrives, so the queue is empty
+    // when the deleter asks; the broker cancels its consumer with each deletion.
+    let drain = |queue: String| {
+        let (url, stop, received) = (url.clone(), stop.clone(), received.clone());
+        tokio::spawn(async move {
+            let (conn, mut ch) = amqp_connect(&url).await?;
+            while !stop.load(Ordering::SeqCst) {
+                if !ch.status().connected() {
+                    ch = conn.create_channel().await.map_err(db)?;
+                }
+                let consumed = ch
+                    .basic_consume(
+                        queue.as_str().into(),
+                        "drainer".into(),
+                        BasicConsumeOptions {
+                            no_ack: true,
+                            ..BasicConsumeOptions::default()
+                        },
+                        FieldTable::default(),
+                    )
+                    .await;
+                let Ok(mut deliveries) = consumed else {
+                    // Deleted and not declared again yet (the channel is closed).
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    continue;
+                };
+                loop {
+                    match tokio::time::timeout(Duration::from_millis(100), deliveries.next()).await
+                    {
+                        Ok(Some(Ok(d))) => {
+                            let id = d.properties.message_id().as_ref().map(|s| s.to_string());
+                            *received
+                                .lock()
+                                .unwrap()
+                                .entry(id.unwrap_or_default())
+                                .or_default() += 1;
+                        }
+                        Ok(Some(Err(e))) => return Err(db(e)),
+                        // Cancelled by the deletion.
+                        Ok(None) => break,
+                        Err(_) if stop.load(Ordering::SeqCst) => break,
+                        Err(_) => {}
+                    }
+                }
+            }
+            let _ = conn.close(200, "drained".into()).await;
+            Res::Ok(())
+        })
+    };
+    let drainers = [drain(queue.clone()), drain(relayed.clone())];
+
+    // Publishers: each counts what it was told was stored, and what failed.
+    let confirmed: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (refused, gone) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let failed = {
+        let (refused, gone) = (refused.clone(), gone.clone());
+        move |e: String| {
+            refused.fetch_add(1, Ordering::SeqCst);
+            if e.contains("is gone") {
+                gone.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    };
+    let mut publishers = Vec::new();
+    for task in 0..PUBLISHERS {
+        let (url, queue, stop, confirmed, failed) = (
+            url.clone(),
+            queue.clone(),
+            stop.clone(),
+            confirmed.clone(),
+            failed.clone(),
+        );
+        publishers.push(tokio::spawn(async move {
+            let (conn, ch) = amqp_connect(&url).await?;
+            ch.confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(db)?;
+            let mut n = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                let id = format!("p{task}-{n}");
+                n += 1;
+                let props = BasicProperties::default().with_message_id(id.as_str().into());
+                match publish_confirmed(&conn, &ch, &queue, b"{}", props, BROKER_TIMEOUT).await {
+                    Ok(()) => confirmed.lock().unwrap().push(id),
+                    Err(e) => failed(e.to_string()),
+                }
+            }
+            let _ = conn.close(200, "published".into()).await;
+            Res::Ok(())
+        }));
+    }
+    {
+        let (url, queue, stop, confirmed, failed) = (
+            url.clone(),
+            relayed.clone(),
+            stop.clone(),
+            confirmed.clone(),
+            failed.clone(),
+        );
+        publishers.push(tokio::spawn(async move {
+            let publisher = AmqpPublisher::connect_within(&url, BROKER_TIMEOUT)
+                .await
+                .map_err(db)?;
+            let mut n = 0i64;
+            while !stop.load(Ordering::SeqCst) {
+                let row = OutboxRow {
+                    id: n,
+                    destination: queue.clone(),
+                    message_id: format!("relay-{n}"),
+                    payload: "{}".into(),
+                };
+                n += 1;
+                match publisher.publish(&row).await {
+                    Ok(()) => confirmed.lock().unwrap().push(row.message_id),
+                    Err(e) => failed(e.to_string()),
+                }
+            }
+            let _ = publisher.close().await;
+            Res::Ok(())
+        }));
+    }
+
+    // The deleter: delete each queue when empty, stay away, declare them again.
+    let deleted = async {
+        let mut ch = admin.create_channel().await.map_err(db)?;
+        let mut deletions = 0u32;
+        for _ in 0..ROUNDS {
+            tokio::time::sleep(Duration::from_millis(15)).await;
+            for name in [&queue, &relayed] {
+                let asked = ch
+                    .queue_delete(
+                        name.as_str().into(),
+                        QueueDeleteOptions {
+                            if_empty: true,
+                            ..QueueDeleteOptions::default()
+                        },
+                    )
+                    .await;
+                if asked.is_ok() {
+                    deletions += 1;
+                } else {
+                    // Not empty: the broker closed the channel.
+                    ch = admin.create_channel().await.map_err(db)?;
+                }
+            }
+            tokio::time::sleep(AWAY).await;
+            declare(ch.clone(), queue.clone()).await?;
+            declare(ch.clone(), relayed.clone()).await?;
+        }
+        Res::Ok(deletions)
+    }
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    let mut outcome = deleted;
+    for p in publishers {
+        let joined = tokio::time::timeout(GUARD, p)
+            .await
+            .map_err(|_| fail("hang guard"))?;
+        if let Err(e) = joined.map_err(db).and_then(|r| r) {
+            outcome = outcome.and(Err(e));
+        }
+    }
+    // Everything in the queue reaches the drainer before it stops.
+    let wanted: Vec<String> = confirmed.lock().unwrap().clone();
+    let lost = || {
+        let got = received.lock().unwrap();
+        wanted
+            .iter()
+            .filter(|id| !got.contains_key(*id))
+            .cloned()
+            .collect::<Vec<_>>()
+    };
+    for _ in 0..100 {
+        if lost().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for drainer in drainers {
+        let joined = tokio::time::timeout(GUARD, drainer)
+            .await
+            .map_err(|_| fail("hang guard"))?;
+        if let Err(e) = joined.map_err(db).and_then(|r| r) {
+            outcome = outcome.and(Err(e));
+        }
+    }
+    if let Ok(ch) = admin.create_channel().await {
+        for name in [&queue, &relayed] {
+            let _ = ch
+                .queue_delete(name.as_str().into(), QueueDeleteOptions::default())
+                .await;
+        }
+    }
+    let _ = admin.close(200, "done".into()).await;
+    let deletions = outcome?;
+    let (refused, gone, lost) = (
+        refused.load(Ordering::SeqCst),
+        gone.load(Ordering::SeqCst),
+        lost(),
+    );
+    check(deletions > 0, || {
+        "the queue was never empty long enough to be deleted".into()
+    })?;
+    check(refused > 0, || {
+        format!(
+            "{deletions} deletions, but no publish failed: the queue was never missing under a publish"
+        )
+    })?;
+    check(lost.is_empty(), || {
+        format!(
+            "{} of {} publishes that succeeded never reached the queue (lost), e.g. {:?}",
+            lost.len(),
+            wanted.len(),
+            &lost[..lost.len().min(5)]
+        )
+    })?;
+    let relay = wanted.iter().filter(|id| id.starts_with("relay-")).count();
+    println!(
+        "[amqp queue deleted in flight] {deletions} deletions; {} publishes succeeded \
+         ({} publish_confirmed, {relay} AmqpPublisher) and every one was received; {refused} \
+         failed ({gone} confirmed for a queue that was gone), lost 0",
+        wanted.len(),
+        wanted.len() - relay
+    );
+    Ok(())
+}
+
 /// Issue 17.2: the dead-letter subject is captured by the consumed stream itself (a
 /// work-queue stream on `<stream>.>`). A dead letter republished with the original
 /// `Nats-Msg-Id` was dropped as a duplicate inside the duplicate window, and the
@@ -1933,6 +2206,9 @@ fn main() -> ExitCode {
     per_engine::<SqliteBank>(&mut trials);
     per_engine::<PgBank>(&mut trials);
     per_engine::<MysqlBank>(&mut trials);
+    trials.push(Trial::test("amqp::queue_deleted_in_flight", || {
+        block_on(queue_deleted_in_flight())
+    }));
     trials.push(Trial::test(
         "nats::sqlite::dead_letter_delivered_back_is_refused",
         || block_on(dead_letter_delivered_back_is_refused()),

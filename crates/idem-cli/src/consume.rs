@@ -402,6 +402,7 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
                             props = props.with_message_id((*id).into());
                         }
                         publish_confirmed(
+                            &connection,
                             &channel,
                             queue,
                             body.as_bytes(),

@@ -9,8 +9,11 @@
 //!   to the dead-letter queue on the default exchange, `mandatory`, persistent, with its
 //!   `message_id`, its headers and the `x-idem-dead-letter-*` headers, and acknowledged
 //!   only after the broker confirmed that publish (publisher confirms) without returning
-//!   it. A dead letter the broker returns as unroutable (the dead-letter queue was
-//!   deleted or expired), negatively acknowledges, or does not confirm within
+//!   it, and after the dead-letter queue was looked up again (see
+//!   [`publish_confirmed`]: RabbitMQ confirms a message whose queue is deleted while
+//!   the message is on its way, and drops it). A dead letter the broker returns as
+//!   unroutable (the dead-letter queue was deleted or expired), negatively
+//!   acknowledges, confirms for a queue that is gone, or does not confirm within
 //!   [`crate::Options::broker_timeout`] is a failure: the original is returned for
 //!   redelivery, never acknowledged. No queue arguments (`x-dead-letter-exchange`) are
 //!   required of anyone.
@@ -370,6 +373,7 @@ where
                     &detail,
                 );
                 match publish_confirmed(
+                    connection,
                     &channel,
                     &config.dead_letter_queue,
                     &delivery.data,
@@ -424,12 +428,22 @@ where
     Ok(())
 }
 
-/// Publishes `body` to `queue` (default exchange, `mandatory`) and waits up to `timeout`
-/// for the broker's confirm. The channel must be in confirm mode. `Ok` only when the
-/// broker confirmed the message without returning it: a message returned as unroutable
-/// (no such queue), negatively acknowledged, or not confirmed in time is an error (the
-/// message may or may not be stored in that last case).
+/// Publishes `body` to `queue` (default exchange, `mandatory`) on `channel` and waits
+/// up to `timeout` for the broker's confirm and for the queue to be looked up again.
+/// The channel must be in confirm mode; `connection` is the one it belongs to.
+///
+/// `Ok` only when the broker confirmed the message without returning it **and** the
+/// queue still exists afterwards. RabbitMQ positively confirms a message routed to a
+/// queue that is deleted before the message reached it, and drops the message with the
+/// queue; the lookup (a passive declare on a channel of its own, since a missing queue
+/// closes the channel it is asked on) tells that case apart: the deletion is complete
+/// before the confirm is sent. A message returned as unroutable (no such queue),
+/// negatively acknowledged, confirmed for a queue that is gone, or not confirmed in
+/// time is an error (the message may or may not be stored in that last case). What no
+/// lookup can see: the queue deleted and declared again by someone else between the
+/// confirm and the lookup.
 pub async fn publish_confirmed(
+    connection: &Connection,
     channel: &Channel,
     queue: &str,
     body: &[u8],
@@ -437,8 +451,9 @@ pub async fn publish_confirmed(
     timeout: Duration,
 ) -> Result<(), ConsumerError> {
     let action = || format!("publish to {queue:?}");
+    let refused = |why: String| ConsumerError::broker("amqp", action(), why);
     let confirmed = tokio::time::timeout(timeout, async {
-        channel
+        let confirmation = channel
             .basic_publish(
                 "".into(),
                 queue.into(),
@@ -450,28 +465,68 @@ pub async fn publish_confirmed(
                 properties,
             )
             .await?
-            .await
+            .await?;
+        if !matches!(confirmation, Confirmation::Ack(None)) {
+            return Ok((confirmation, true));
+        }
+        let lookup = connection.create_channel().await?;
+        let found = queue_exists(&lookup, queue).await?;
+        if found {
+            let _ = lookup.close(200, "found".into()).await;
+        }
+        Ok::<_, lapin::Error>((confirmation, found))
     })
     .await;
-    let refused = |why: String| ConsumerError::broker("amqp", action(), why);
     match confirmed {
         Err(_) => Err(refused(format!(
             "no confirmation from the broker within {timeout:?}"
         ))),
         Ok(Err(e)) => Err(broker(action())(e)),
-        Ok(Ok(Confirmation::Ack(None))) => Ok(()),
-        Ok(Ok(Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)))) => {
+        Ok(Ok((Confirmation::Ack(None), true))) => Ok(()),
+        Ok(Ok((Confirmation::Ack(None), false))) => Err(refused(format!(
+            "the broker confirmed the message, but queue {queue:?} is gone: it was deleted \
+             while the message was on its way, and the message with it"
+        ))),
+        Ok(Ok((Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)), _))) => {
             Err(refused(format!(
                 "the broker returned the message as unroutable ({} {})",
                 returned.reply_code, returned.reply_text
             )))
         }
-        Ok(Ok(Confirmation::Nack(None))) => {
+        Ok(Ok((Confirmation::Nack(None), _))) => {
             Err(refused("the broker refused the message (nack)".to_owned()))
         }
-        Ok(Ok(Confirmation::NotRequested)) => Err(refused(
+        Ok(Ok((Confirmation::NotRequested, _))) => Err(refused(
             "the channel is not in confirm mode, so the publish is unconfirmed".to_owned(),
         )),
+    }
+}
+
+/// Whether `queue` exists: a passive declare on `channel`. A missing queue is
+/// `Ok(false)`, and the broker closes `channel` (so it must not be one that carries
+/// anything else).
+pub(crate) async fn queue_exists(channel: &Channel, queue: &str) -> Result<bool, lapin::Error> {
+    use lapin::protocol::{AMQPErrorKind, AMQPSoftError};
+    let looked_up = channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match looked_up {
+        Ok(_) => Ok(true),
+        Err(e) => match e.kind() {
+            lapin::ErrorKind::ProtocolError(amqp)
+                if matches!(amqp.kind(), AMQPErrorKind::Soft(AMQPSoftError::NOTFOUND)) =>
+            {
+                Ok(false)
+            }
+            _ => Err(e),
+        },
     }
 }
 

@@ -40,6 +40,14 @@ pub const DEFAULT_CONFIRM_TIMEOUT: Duration = Duration::from_secs(30);
 ///   confirmation within the timeout ([`DEFAULT_CONFIRM_TIMEOUT`],
 ///   [`AmqpPublisher::with_confirm_timeout`]) is [`PublishError::Broker`] (the message
 ///   may or may not be stored: the relay publishes it again, with the same message ID).
+/// - **A queue deleted under a publish**: RabbitMQ positively confirms a message routed
+///   to a queue that is deleted before the message reached it, and drops it with the
+///   queue. On the default exchange each confirm is therefore followed by a lookup of
+///   the queue (a passive declare, on a channel kept for lookups: one more round
+///   trip); a queue that is gone makes the publish [`PublishError::Refused`], and the
+///   next publish to it declares it again. With an exchange, the queues its bindings
+///   route to are not known here, and a bound queue deleted under a publish loses
+///   the message although the broker confirmed it.
 ///   The same timeout bounds connecting, the queue declaration before a destination's
 ///   first publish, and [`AmqpPublisher::close`], so a broker that accepts connections
 ///   and never answers fails each call instead of holding it.
@@ -49,6 +57,10 @@ pub struct AmqpPublisher {
     channel: Channel,
     exchange: Option<String>,
     declared: Mutex<HashSet<String>>,
+    /// The channel queues are looked up on after a confirm (closed by the broker when a
+    /// queue is missing, then opened again). Boxed: a channel is large, and this one is
+    /// seldom touched.
+    lookups: Mutex<Option<Box<Channel>>>,
     confirm_timeout: Duration,
 }
 
@@ -126,6 +138,7 @@ impl AmqpPublisher {
             channel,
             exchange: None,
             declared: Mutex::new(HashSet::new()),
+            lookups: Mutex::new(None),
             confirm_timeout: timeout,
         })
     }
@@ -204,6 +217,36 @@ impl AmqpPublisher {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .contains(queue)
+    }
+
+    /// The queue is missing: the next publish to it looks it up (and declares it) again.
+    fn forget(&self, queue: &str) {
+        self.declared
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(queue);
+    }
+
+    /// Whether `queue` still exists, on the lookup channel (opened when there is none).
+    async fn still_exists(&self, queue: &str) -> Result<bool, lapin::Error> {
+        let kept = self
+            .lookups
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+            .filter(|ch| ch.status().connected());
+        let channel = match kept {
+            Some(ch) => ch,
+            None => Box::new(self.connection.create_channel().await?),
+        };
+        let found = super::queue_exists(&channel, queue).await?;
+        if found {
+            *self
+                .lookups
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(channel);
+        }
+        Ok(found)
     }
 
     /// Makes sure the queue `queue` exists (default exchange only), once per queue.
@@ -287,7 +330,8 @@ impl AmqpPublisher {
             )
         };
         let confirmed = tokio::time::timeout(self.confirm_timeout, async {
-            self.channel
+            let confirmation = self
+                .channel
                 .basic_publish(
                     exchange.into(),
                     row.destination.as_str().into(),
@@ -299,7 +343,12 @@ impl AmqpPublisher {
                     props,
                 )
                 .await?
-                .await
+                .await?;
+            // A confirm is not enough on the default exchange: see the type's docs.
+            let gone = self.exchange.is_none()
+                && matches!(confirmation, Confirmation::Ack(None))
+                && !self.still_exists(&row.destination).await?;
+            Ok::<_, lapin::Error>((confirmation, gone))
         })
         .await;
         let confirmation = match confirmed {
@@ -322,7 +371,21 @@ impl AmqpPublisher {
             message_id: row.message_id.clone(),
             reason,
         };
+        let (confirmation, gone) = confirmation;
+        if gone
+            || matches!(
+                confirmation,
+                Confirmation::Ack(Some(_)) | Confirmation::Nack(Some(_))
+            )
+        {
+            self.forget(&row.destination);
+        }
         match confirmation {
+            Confirmation::Ack(None) if gone => Err(refused(format!(
+                "confirmed, but queue {:?} is gone: it was deleted while the message was on \
+                 its way, and the message with it",
+                row.destination
+            ))),
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(returned)) | Confirmation::Nack(Some(returned)) => {
                 Err(refused(format!(
