@@ -268,17 +268,9 @@ impl AmqpPublisher {
             .create_channel()
             .await
             .map_err(broker("open a channel"))?;
-        let passive = ch
-            .queue_declare(
-                queue.into(),
-                QueueDeclareOptions {
-                    passive: true,
-                    ..QueueDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        if passive.is_ok() {
+        // Any failure of the lookup (the queue missing or not) is left to the declare
+        // below, whose error names the queue.
+        if let Ok(true) = super::queue_exists(&ch, queue).await {
             let _ = ch.close(200, "found".into()).await;
         } else {
             let ch = self
