@@ -401,20 +401,19 @@ where
                 () = shutdown.cancelled() => {}
                 () = tokio::time::sleep(pause) => {}
             }
-            delivery
-                .acker
-                .nack(BasicNackOptions {
-                    multiple: false,
-                    requeue: true,
-                })
-                .await
-                .map_err(|e| End::Lost(broker("return a message for redelivery")(e)))?;
+            let nack = delivery.acker.nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            });
+            settle(
+                nack,
+                "return a message for redelivery",
+                options.broker_timeout,
+            )
+            .await?;
         } else {
-            delivery
-                .acker
-                .ack(BasicAckOptions::default())
-                .await
-                .map_err(|e| End::Lost(broker("acknowledge")(e)))?;
+            let ack = delivery.acker.ack(BasicAckOptions::default());
+            settle(ack, "acknowledge", options.broker_timeout).await?;
         }
         stats.count(&decision);
     }
@@ -426,6 +425,26 @@ where
     })
     .await;
     Ok(())
+}
+
+/// Waits up to `timeout` for an acknowledgement (or its negative) to be sent. Bounded
+/// because lapin (4.12) never completes one whose channel closes while it is queued, as
+/// when the broker restarts: the connection is then treated as lost, and the broker
+/// delivers the message again (the consumer's record makes that a duplicate).
+async fn settle(
+    sent: impl Future<Output = lapin::Result<bool>>,
+    action: &str,
+    timeout: Duration,
+) -> Result<(), End> {
+    match tokio::time::timeout(timeout, sent).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(End::Lost(broker(action)(e))),
+        Err(_) => Err(End::Lost(ConsumerError::broker(
+            "amqp",
+            action,
+            format!("not sent within {timeout:?}: the channel is gone"),
+        ))),
+    }
 }
 
 /// Publishes `body` to `queue` (default exchange, `mandatory`) on `channel` and waits
