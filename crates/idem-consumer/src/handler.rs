@@ -149,7 +149,8 @@ pub struct Options {
     pub backoff: Backoff,
     /// How long one broker request may take before it counts as failed: connecting,
     /// the confirmation of a dead-letter publish (RabbitMQ's publisher confirm,
-    /// JetStream's PubAck), a confirmed JetStream acknowledgement. A dead letter whose
+    /// JetStream's PubAck), a confirmed JetStream acknowledgement, sending a RabbitMQ
+    /// acknowledgement (one not sent in time is a lost connection). A dead letter whose
     /// confirmation does not come in time is not acknowledged: the message is returned.
     pub broker_timeout: Duration,
     /// After the connection to the broker was lost (a restart, a network failure), how
