@@ -481,15 +481,50 @@ struct Ended {
     stderr: String,
 }
 
-async fn finish(child: Child) -> Res<Ended> {
-    let out = tokio::time::timeout(GUARD, child.wait_with_output())
-        .await
-        .map_err(|_| fail("an idem process hung (hang guard)"))?
-        .map_err(|e| fail(e.to_string()))?;
+/// Waits (bounded) for `child` and collects its output; a process still running at the
+/// guard is killed, and the failure shows what it printed (why it hung).
+async fn finish(mut child: Child) -> Res<Ended> {
+    use tokio::io::AsyncReadExt;
+    let read = |pipe: Option<Box<dyn tokio::io::AsyncRead + Send + Unpin>>| {
+        tokio::spawn(async move {
+            let mut text = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut text).await;
+            }
+            String::from_utf8_lossy(&text).into_owned()
+        })
+    };
+    let stdout = read(child.stdout.take().map(|p| Box::new(p) as _));
+    let stderr = read(child.stderr.take().map(|p| Box::new(p) as _));
+    let waited = tokio::time::timeout(GUARD, child.wait()).await;
+    if waited.is_err() {
+        let _ = child.kill().await;
+    }
+    let (stdout, stderr) = (
+        stdout.await.unwrap_or_default(),
+        stderr.await.unwrap_or_default(),
+    );
+    let Ok(status) = waited else {
+        let tail = |s: &str| {
+            s.lines()
+                .rev()
+                .take(20)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        return Err(fail(format!(
+            "an idem process hung (hang guard, killed); its stdout:\n{}\nits stderr:\n{}",
+            tail(&stdout),
+            tail(&stderr)
+        )));
+    };
     Ok(Ended {
-        status: out.status,
-        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
-        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        status: status.map_err(|e| fail(e.to_string()))?,
+        stdout,
+        stderr,
     })
 }
 
