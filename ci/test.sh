@@ -108,9 +108,9 @@ step "format"
 cargo fmt --all --check
 
 # Every test binary is built once, here, with the whole workspace's features. The test
-# steps select their targets by name under `--workspace`: a `-p` selection resolves the
-# dependencies' features anew for the packages it names and rebuilds them (minutes per
-# selection), and would leave target/debug/idem built with other features.
+# steps select their targets by name under `--workspace` (or `-p idem-tests`, which
+# depends on every crate with every feature): a narrower `-p` selection resolves the
+# dependencies' features anew and rebuilds them (minutes per variant).
 step "build"
 cargo build --workspace --all-targets --all-features --locked
 
@@ -121,9 +121,8 @@ setsid bash -c 'CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.l
   checks "$checks_dir" &
 checks_pid=$!
 
-# Test target names are unique across the workspace, so that `--workspace --test NAME`
-# selects one target (the crates' tests/*.rs, and the [[test]] targets of tests/ and
-# examples/).
+# Test target names are unique across the workspace's crates, so that `--workspace --test
+# NAME` selects one target.
 crate_tests() {
   local crate file
   for crate; do
@@ -132,12 +131,7 @@ crate_tests() {
     done
   done
 }
-duplicated=$({
-  for file in crates/*/tests/*.rs; do basename "$file" .rs; done
-  for manifest in tests/Cargo.toml examples/Cargo.toml; do
-    awk '/^\[\[test\]\]/{t=1; next} /^\[/{t=0} t && /^name *=/{gsub(/.*= *"|".*/, ""); print}' "$manifest"
-  done
-} | sort | uniq -d)
+duplicated=$(for file in crates/*/tests/*.rs; do basename "$file" .rs; done | sort | uniq -d)
 if [ -n "$duplicated" ]; then
   echo "test targets of different crates share a name (rename one): $duplicated" >&2
   exit 1
@@ -155,7 +149,7 @@ for engine in sqlite postgres mysql mssql oracle; do
     *) wants "$engine" || continue ;;
   esac
   step "conformance suite: $engine"
-  cargo test --locked --workspace --all-features --test "$engine"
+  cargo test --locked -p idem-tests --all-features --test "$engine"
   case $engine in
     mssql | oracle)
       url_var="IDEM_$(echo "$engine" | tr a-z A-Z)_URL"
@@ -169,7 +163,7 @@ for engine in sqlite postgres mysql mssql oracle; do
       ;;
     postgres)
       step "conformance suite: postgres with the placeholder claim (IDEM_POSTGRES_CLAIM_STYLE=placeholder, as on Citus)"
-      IDEM_POSTGRES_CLAIM_STYLE=placeholder cargo test --locked --workspace --all-features --test postgres
+      IDEM_POSTGRES_CLAIM_STYLE=placeholder cargo test --locked -p idem-tests --all-features --test postgres
       step "PostgreSQL: the crate's live tests (serialization failures retried with the same key, the key lock, traps)"
       mapfile -t engine_tests < <(crate_tests idem-postgres)
       cargo test --locked --workspace --all-features "${engine_tests[@]}"
@@ -190,14 +184,14 @@ export IDEM_FAULT_SCALE=${IDEM_FAULT_SCALE:-10}
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   step "fault suite: $engine (scale $IDEM_FAULT_SCALE)"
-  cargo test --locked --workspace --all-features --test faults -- "$engine::"
+  cargo test --locked -p idem-tests --all-features --test faults -- "$engine::"
   if [ "$engine" != sqlite ]; then
     step "least privilege: $engine writer and purger roles (grants.sql)"
-    cargo test --locked --workspace --all-features --test least_privilege -- "$engine::"
+    cargo test --locked -p idem-tests --all-features --test least_privilege -- "$engine::"
   fi
 done
 step "least privilege: every engine's grants.sql names existing, non-key columns (offline)"
-cargo test --locked --workspace --all-features --test least_privilege -- grants_scripts
+cargo test --locked -p idem-tests --all-features --test least_privilege -- grants_scripts
 
 # The network-fault suite (tests/net_faults): a proxy between idem and the server loses
 # the replies of chosen statements (a COMMIT that ran), cuts connections mid-statement and
@@ -207,22 +201,22 @@ export IDEM_NETFAULT_SCALE=${IDEM_NETFAULT_SCALE:-10}
 for engine in postgres mysql; do
   wants "$engine" || continue
   step "network faults: lost replies, cuts and delays on $engine (scale $IDEM_NETFAULT_SCALE)"
-  cargo test --locked --workspace --all-features --test net_faults -- "$engine::"
+  cargo test --locked -p idem-tests --all-features --test net_faults -- "$engine::"
 done
 
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   step "HTTP: idem demo serve through reqwest on $engine (docs/http.md)"
-  cargo test --locked --workspace --all-features --test serve -- "${engine}_" --test-threads=2
+  cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
 done
 
 if wants sqlite && wants postgres && wants mysql; then
   step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"
-  cargo test --locked --workspace --all-features --test hostile
+  cargo test --locked -p idem-tests --all-features --test hostile
   step "effect errors of every shape: a deadlock inside the effect retried with the same key"
-  cargo test --locked --workspace --all-features --test effect_errors
+  cargo test --locked -p idem-tests --all-features --test effect_errors
   step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
-  cargo test --locked --workspace --all-features --test cli
+  cargo test --locked -p idem-cli --all-features --test cli
 fi
 # The consumer processes under test are the `idem` binary built above.
 for engine in sqlite postgres mysql; do
@@ -232,7 +226,7 @@ for engine in sqlite postgres mysql; do
     continue
   fi
   step "idempotent consumers on RabbitMQ and NATS JetStream: $engine"
-  cargo test --locked --workspace --all-features --test brokers -- "::$engine::"
+  cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
 done
 
 # Broker faults (tests/broker_faults, docs/reliability.md): dead-letter destinations deleted or
@@ -243,7 +237,7 @@ if wants sqlite && wants postgres && wants mysql; then
   if brokers; then
     step "broker faults: dead letters, RabbitMQ and NATS restarted, paused and silent (sqlite, postgres, mysql)"
     ensure_broker_binaries
-    cargo test --locked --workspace --all-features --test broker_faults
+    cargo test --locked -p idem-tests --all-features --test broker_faults
   else
     step "broker faults SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -255,15 +249,15 @@ fi
 if wants sqlite && wants postgres && wants mysql; then
   if brokers; then
     step "transactional outbox: relays on RabbitMQ and NATS JetStream (sqlite, postgres, mysql)"
-    cargo test --locked --workspace --all-features --test outbox
+    cargo test --locked -p idem-tests --all-features --test outbox
   else
     step "transactional outbox: relays on RabbitMQ and NATS JetStream SKIPPED (IDEM_BROKERS=0)"
   fi
   step "external effects: idem demo fake-provider, serve --provider, complete (every engine)"
-  cargo test --locked --workspace --all-features --test orders
+  cargo test --locked -p idem-cli --all-features --test orders
   if brokers; then
     step "external effects: the card charge under SIGKILLs and provider faults (sqlite, postgres, mysql)"
-    cargo test --locked --workspace --all-features --test external
+    cargo test --locked -p idem-tests --all-features --test external
   else
     step "external effects: the card charge (relayed to RabbitMQ) SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -276,12 +270,12 @@ for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   case $engine in mysql) name=mariadb ;; *) name=$engine ;; esac
   step "maintenance once per fleet: three idem maintain processes, the runner SIGKILLed ($engine)"
-  cargo test --locked --workspace --all-features --test maintain -- "${name}_one_runner"
+  cargo test --locked -p idem-cli --all-features --test maintain -- "${name}_one_runner"
 done
 if wants sqlite; then
   if brokers; then
     step "maintenance: the relay task of idem maintain on RabbitMQ (sqlite)"
-    cargo test --locked --workspace --all-features --test maintain -- sqlite_relay_task
+    cargo test --locked -p idem-cli --all-features --test maintain -- sqlite_relay_task
   else
     step "maintenance: the relay task of idem maintain on RabbitMQ SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -292,10 +286,10 @@ fi
 # with IDEM_CITUS_URL naming a coordinator, the conformance cases with idem's tables
 # distributed, a same-key storm and the distributed purge.
 step "Citus rules, offline: every PostgreSQL statement and later migration (no server)"
-cargo test --locked --workspace --all-features --lib citus_rules
+cargo test --locked -p idem-postgres --all-features --lib citus_rules
 step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
 for target in cockroach yugabyte citus tidb; do
-  cargo test --locked --workspace --all-features --test "$target"
+  cargo test --locked -p idem-tests --all-features --test "$target"
 done
 
 if clusters; then
@@ -303,16 +297,16 @@ if clusters; then
   # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly); each with its engine.
   if wants mysql; then
     step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed, network faults"
-    ci/galera.sh run bash -c 'cargo test --locked --workspace --all-features --test galera &&
-      cargo test --locked --workspace --all-features --test galera_cluster &&
-      cargo test --locked --workspace --all-features --test net_faults -- galera::'
+    ci/galera.sh run bash -c 'cargo test --locked -p idem-tests --all-features --test galera &&
+      cargo test --locked -p idem-tests --all-features --test galera_cluster &&
+      cargo test --locked -p idem-tests --all-features --test net_faults -- galera::'
   else
     step "MariaDB Galera SKIPPED (mysql is not in IDEM_ENGINES)"
   fi
   for mode in sync async; do
     if wants postgres; then
       step "PostgreSQL failover, $mode replication: primary killed, standby promoted, every key retried"
-      ci/pg-failover.sh run "$mode" cargo test --locked --workspace --all-features --test pg_failover
+      ci/pg-failover.sh run "$mode" cargo test --locked -p idem-tests --all-features --test pg_failover
     else
       step "PostgreSQL failover, $mode replication SKIPPED (postgres is not in IDEM_ENGINES)"
     fi
@@ -324,7 +318,7 @@ fi
 step "the README's walkthrough"
 # The binary with every feature (the steps above left it so; an earlier step with fewer
 # features would have rebuilt it without `idem bench`).
-cargo build --locked --workspace --all-features --bin idem
+cargo build --locked -p idem-cli --all-features
 demo_dir=$(mktemp -d)
 trap 'rm -rf "$demo_dir"; on_exit' EXIT
 idem="$PWD/target/debug/idem"
@@ -348,7 +342,7 @@ step "examples: each run against its engine or broker (ci/examples.sh)"
 IDEM_ENGINES="$IDEM_ENGINES" IDEM_BROKERS="$IDEM_BROKERS" ci/examples.sh
 
 step "criterion benchmarks in test mode (each benchmark once, nothing timed)"
-cargo test --locked --workspace --all-features --bench "*"
+cargo test --locked -p idem-cli --all-features --benches
 
 step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation)"
 bench_dir=$(mktemp -d)
