@@ -8,9 +8,6 @@
 # the maintenance loop (three `idem maintain` processes per engine, the runner SIGKILLed),
 # the README's walkthrough on each required engine, and the runnable examples (examples/)
 # against their engines and brokers. It starts only the servers these steps need.
-# The static checks that need no server (clippy, documentation, feature combinations, MSRV,
-# packages: ci/checks.sh) run beside the tests, once the build is done, and end the run
-# with their output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,7 +30,6 @@ IDEM_CLUSTERS=${IDEM_CLUSTERS:-1}
 # well inside CI's limit).
 steps=()
 step() {
-  checks_failed_early
   steps+=("$SECONDS $*")
   printf '\n==> [%ss] %s\n' "$SECONDS" "$*"
 }
@@ -48,38 +44,7 @@ summary() {
   done
   printf '%6s  total\n' "$SECONDS"
 }
-# The static checks (ci/checks.sh) run beside the tests, started once the build is done:
-# they need no server and build into target/checks, at the lowest CPU and I/O priority, so the
-# tests' own builds and servers come first. Their output is printed when they end; a failure
-# fails the run at the next step.
-checks_dir=${CARGO_TARGET_DIR:-$PWD/target}/checks
-checks_pid=
-checks_failed_early() {
-  if [ -n "$checks_pid" ] && [ -f "$checks_dir.rc" ] && [ "$(cat "$checks_dir.rc")" != 0 ]; then
-    finish_checks
-  fi
-}
-finish_checks() {
-  local rc
-  wait "$checks_pid" 2>/dev/null || true
-  checks_pid=
-  rc=$(cat "$checks_dir.rc" 2>/dev/null || echo 1)
-  printf '\n==> the static checks (ci/checks.sh, run beside the tests), their output:\n'
-  cat "$checks_dir.log"
-  if [ "$rc" != 0 ]; then
-    echo "the static checks (ci/checks.sh) failed with status $rc" >&2
-    exit "$rc"
-  fi
-}
-stop_checks() {
-  # The run ended before the static checks did (a failure): stop them.
-  if [ -n "$checks_pid" ]; then kill -TERM -- "-$checks_pid" 2>/dev/null || true; fi
-}
-on_exit() {
-  stop_checks
-  summary
-}
-trap on_exit EXIT
+trap summary EXIT
 wants() { [[ " $IDEM_ENGINES " == *" $1 "* ]]; }
 brokers() { [ "$IDEM_BROKERS" = 1 ]; }
 clusters() { [ "$IDEM_CLUSTERS" = 1 ]; }
@@ -107,41 +72,32 @@ if wants mysql && clusters; then ensure_galera_binaries; fi
 step "format"
 cargo fmt --all --check
 
-# Every test binary is built once, here, with the whole workspace's features. The test
-# steps select their targets by name under `--workspace` (or `-p idem-tests`, which
-# depends on every crate with every feature): a narrower `-p` selection resolves the
-# dependencies' features anew and rebuilds them (minutes per variant).
+step "clippy (warnings denied)"
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+
+step "feature combinations: the facade with each engine and integration alone, the CLI lean and per engine (ci/features.sh)"
+ci/features.sh
+
+step "minimum Rust versions: 1.88, and 1.94 for PostgreSQL (ci/msrv.sh)"
+ci/msrv.sh
+
+step "documentation (warnings denied)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked
+
 step "build"
 cargo build --workspace --all-targets --all-features --locked
 
-step "static checks started beside the tests: clippy, documentation, feature combinations, MSRV, packages (ci/checks.sh, output at the end)"
-rm -f "$checks_dir.rc"
-mkdir -p "$(dirname "$checks_dir")"
-setsid bash -c 'CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.log" 2>&1; echo $? >"$1.rc"' \
-  checks "$checks_dir" &
-checks_pid=$!
+step "packages: cargo package and publish --dry-run of every crate, the packaged facade built alone (ci/package.sh)"
+ci/package.sh
 
-# Test target names are unique across the workspace's crates, so that `--workspace --test
-# NAME` selects one target.
-crate_tests() {
-  local crate file
-  for crate; do
-    for file in crates/"$crate"/tests/*.rs; do
-      printf -- '--test\n%s\n' "$(basename "$file" .rs)"
-    done
-  done
-}
-duplicated=$(for file in crates/*/tests/*.rs; do basename "$file" .rs; done | sort | uniq -d)
-if [ -n "$duplicated" ]; then
-  echo "test targets of different crates share a name (rename one): $duplicated" >&2
-  exit 1
-fi
-
-step "unit, snapshot, offline and doc tests; the integration tests of the facade, idem-axum, SQLite, SQL Server and Oracle crates"
-mapfile -t offline_tests < <(crate_tests idem idem-axum idem-sqlite idem-mssql idem-oracle)
-cargo test --workspace --all-features --locked --lib --bins "${offline_tests[@]}" --test workflows --test excerpts
-# Every library's doc tests, the repository README's Rust examples among them.
-cargo test --workspace --all-features --locked --doc
+step "unit, snapshot, offline and doc tests (no database server)"
+cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql --exclude idem-cli
+cargo test --locked -p idem-cli --all-features --bins
+cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
+cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
+cargo test --locked -p idem-tests --all-features --test workflows
+# The repository README's Rust examples.
+cargo test --locked -p idem-tests --all-features --doc
 
 for engine in sqlite postgres mysql mssql oracle; do
   case $engine in
@@ -155,8 +111,7 @@ for engine in sqlite postgres mysql mssql oracle; do
       url_var="IDEM_$(echo "$engine" | tr a-z A-Z)_URL"
       if [ -n "${!url_var:-}" ]; then
         step "$engine: live engine tests (the crate's #[ignore]d tests, $url_var set)"
-        mapfile -t engine_tests < <(crate_tests "idem-$engine")
-        cargo test --locked --workspace --all-features "${engine_tests[@]}" -- --include-ignored
+        cargo test --locked -p "idem-$engine" --all-features --tests -- --include-ignored
       else
         echo "$engine: the crate's live tests stay ignored ($url_var is not set): not verified live"
       fi
@@ -164,14 +119,12 @@ for engine in sqlite postgres mysql mssql oracle; do
     postgres)
       step "conformance suite: postgres with the placeholder claim (IDEM_POSTGRES_CLAIM_STYLE=placeholder, as on Citus)"
       IDEM_POSTGRES_CLAIM_STYLE=placeholder cargo test --locked -p idem-tests --all-features --test postgres
-      step "PostgreSQL: the crate's live tests (serialization failures retried with the same key, the key lock, traps)"
-      mapfile -t engine_tests < <(crate_tests idem-postgres)
-      cargo test --locked --workspace --all-features "${engine_tests[@]}"
+      step "PostgreSQL: serialization failures retried with the same key"
+      cargo test --locked -p idem-postgres --all-features --tests
       ;;
     mysql)
-      step "MariaDB: the crate's live tests (deadlocks retried with the same key, traps)"
-      mapfile -t engine_tests < <(crate_tests idem-mysql)
-      cargo test --locked --workspace --all-features "${engine_tests[@]}"
+      step "MariaDB: deadlocks retried with the same key"
+      cargo test --locked -p idem-mysql --all-features --tests
       ;;
   esac
 done
@@ -320,7 +273,7 @@ step "the README's walkthrough"
 # features would have rebuilt it without `idem bench`).
 cargo build --locked -p idem-cli --all-features
 demo_dir=$(mktemp -d)
-trap 'rm -rf "$demo_dir"; on_exit' EXIT
+trap 'rm -rf "$demo_dir"; summary' EXIT
 idem="$PWD/target/debug/idem"
 (cd "$demo_dir" && "$idem" demo)
 if wants postgres; then
@@ -346,7 +299,7 @@ cargo test --locked -p idem-cli --all-features --benches
 
 step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation)"
 bench_dir=$(mktemp -d)
-trap 'rm -rf "$demo_dir" "$bench_dir"; on_exit' EXIT
+trap 'rm -rf "$demo_dir" "$bench_dir"; summary' EXIT
 smoke=(bench --clients 1,2 --duration 200ms --rounds 1)
 (cd "$bench_dir" && "$idem" --url sqlite://bench.db "${smoke[@]}" --json sqlite.json >/dev/null)
 charted=(--with "$bench_dir/sqlite.json")
@@ -366,8 +319,5 @@ if [ -n "$(ls -A "$bench_dir")" ]; then
   exit 1
 fi
 echo "idem bench on every required engine: ok"
-
-step "the static checks (ci/checks.sh): waiting for them to end"
-finish_checks
 
 step "all checks passed"
