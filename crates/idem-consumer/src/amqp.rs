@@ -430,14 +430,23 @@ where
 /// Waits up to `timeout` for an acknowledgement (or its negative) to be sent. Bounded
 /// because lapin (4.12) never completes one whose channel closes while it is queued, as
 /// when the broker restarts: the connection is then treated as lost, and the broker
-/// delivers the message again (the consumer's record makes that a duplicate).
+/// delivers the message again (the consumer's record makes that a duplicate). One lapin
+/// refuses to send because the channel closed is a lost connection too, even while the
+/// connection itself is still up: the loop reconnects rather than reading on.
 async fn settle(
     sent: impl Future<Output = lapin::Result<bool>>,
     action: &str,
     timeout: Duration,
 ) -> Result<(), End> {
     match tokio::time::timeout(timeout, sent).await {
-        Ok(Ok(_)) => Ok(()),
+        Ok(Ok(true)) => Ok(()),
+        // lapin answers `false` without sending anything when the channel has closed
+        // (the acker is poisoned); each delivery is settled once, so never "already used".
+        Ok(Ok(false)) => Err(End::Lost(ConsumerError::broker(
+            "amqp",
+            action,
+            "not sent: the channel is closed",
+        ))),
         Ok(Err(e)) => Err(End::Lost(broker(action)(e))),
         Err(_) => Err(End::Lost(ConsumerError::broker(
             "amqp",
