@@ -28,6 +28,9 @@
 //!   time out and nothing counts as done; then it is resumed;
 //! - `<broker>::silent_listener`: a TCP listener that accepts and never speaks; the
 //!   consumer loops and the publishers give up within their timeout;
+//! - `amqp::channel_closed_under_handler`: RabbitMQ's acknowledgement timeout closes the
+//!   consumer's channel (the connection stays up) while a handler applies a message; the
+//!   loop reconnects and the redelivery is answered as a duplicate;
 //! - `<broker>::gone_for_good`: the broker stops under a consumer and never returns; the
 //!   loop stops with a broker failure once its reconnection period is over.
 //!
@@ -1938,6 +1941,42 @@ async fn restarted_on(broker: Broker, server: &mut PrivateBroker) -> Res {
     Ok(())
 }
 
+/// RabbitMQ closes the consumer's channel (not its connection) while a handler is still
+/// applying a message: the broker's delivery-acknowledgement timeout (`consumer_timeout`,
+/// 1 s here) is shorter than each effect (2.5 s). lapin then refuses to send the
+/// acknowledgement (the channel is closed) or fails it; either way the loop must
+/// reconnect rather than read on or stop, and the broker's redelivery of the applied
+/// message is answered as a duplicate. One engine: the loop is the same for each.
+async fn channel_closed_under_handler() -> Res {
+    // The timeout is checked on each channel tick (every 60 s unless set).
+    let server = PrivateBroker::rabbitmq_with(
+        "consumer_timeout = 1000\n",
+        &["{channel_tick_interval, 250}"],
+    )
+    .await?;
+    let result = channel_closed_on(&server.url()).await;
+    server.remove().await;
+    result
+}
+
+async fn channel_closed_on(url: &str) -> Res {
+    // Poison that needs no effect (an effect-rejected credit would time out forever).
+    let plan = Plan::new(4, 0, 1, 1, 0);
+    let pace = Duration::from_millis(2500);
+    let flow = Flow::<SqliteBank>::start(Broker::Amqp, url, Layout::Queue, "cto", plan, pace, None)
+        .await?;
+    let log = Arc::clone(&flow.log);
+    flow.finish("channel closed under the handler").await?;
+    let duplicates = log.count(|_, what| what == "duplicate");
+    check(duplicates >= 1, || {
+        "no applied message came back as a duplicate: the broker never closed the channel \
+         under a handler (the fault was not injected)"
+            .into()
+    })?;
+    println!("channel closed under the handler: {duplicates} redeliveries answered as duplicates");
+    Ok(())
+}
+
 /// The broker is paused (SIGSTOP) while it holds a consumer's dead letter and while the
 /// relay waits for a publish's confirmation: both time out, the original is returned
 /// and the outbox message stays unsent; then the broker is resumed and everything goes
@@ -2281,6 +2320,9 @@ fn main() -> ExitCode {
         "nats::sqlite::dead_letter_delivered_back_is_refused",
         || block_on(dead_letter_delivered_back_is_refused()),
     ));
+    trials.push(Trial::test("amqp::channel_closed_under_handler", || {
+        block_on(channel_closed_under_handler())
+    }));
     for broker in [Broker::Amqp, Broker::Nats] {
         let name = broker.name();
         trials.push(Trial::test(

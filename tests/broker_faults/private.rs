@@ -113,17 +113,27 @@ fn program(var: &str, candidates: &[&str]) -> Res<PathBuf> {
 impl PrivateBroker {
     /// A RabbitMQ node of its own, started.
     pub(crate) async fn rabbitmq() -> Res<Self> {
+        Self::rabbitmq_with("", &[]).await
+    }
+
+    /// A RabbitMQ node of its own, started, with `conf` (`rabbitmq.conf` lines) added and
+    /// `rabbit` application settings that `rabbitmq.conf` has no key for (`advanced.config`
+    /// terms such as `{channel_tick_interval, 250}`).
+    pub(crate) async fn rabbitmq_with(conf: &str, rabbit: &[&str]) -> Res<Self> {
         let port = take_port(5682..=5689)?;
-        Self::create(Kind::Rabbit, port).await
+        let advanced = format!("[{{rabbit, [{}]}}].\n", rabbit.join(", "));
+        Self::create(Kind::Rabbit, port, (conf, &advanced)).await
     }
 
     /// A NATS server with JetStream of its own, started.
     pub(crate) async fn nats() -> Res<Self> {
         let port = take_port(4232..=4239)?;
-        Self::create(Kind::Nats, port).await
+        Self::create(Kind::Nats, port, ("", "")).await
     }
 
-    async fn create(kind: Kind, port: u16) -> Res<Self> {
+    /// `rabbit`: the added `rabbitmq.conf` lines and the whole `advanced.config`.
+    async fn create(kind: Kind, port: u16, rabbit: (&str, &str)) -> Res<Self> {
+        let (conf, advanced) = rabbit;
         let dir = std::env::temp_dir().join(unique("broker"));
         if let Err(e) = std::fs::create_dir_all(&dir) {
             give_back(port);
@@ -145,9 +155,12 @@ impl PrivateBroker {
                 ("enabled_plugins", "[].\n".to_owned()),
                 (
                     "rabbitmq.conf",
-                    format!("listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n"),
+                    format!(
+                        "listeners.tcp.default = 127.0.0.1:{port}\nloopback_users = none\n{conf}"
+                    ),
                 ),
                 ("env.conf", String::new()),
+                ("advanced.config", advanced.to_owned()),
             ];
             for (name, text) in files {
                 std::fs::write(broker.dir.join(name), text)
@@ -217,6 +230,7 @@ impl PrivateBroker {
                     .env("RUNNING_UNDER_SYSTEMD", "1")
                     .env("RABBITMQ_CONF_ENV_FILE", dir.join("env.conf"))
                     .env("RABBITMQ_CONFIG_FILE", dir.join("rabbitmq.conf"))
+                    .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
                     .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
                     .env("RABBITMQ_NODENAME", format!("idem-c-{port}@localhost"))
                     .env("RABBITMQ_NODE_IP_ADDRESS", "127.0.0.1")
