@@ -382,17 +382,32 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
             use idem::consumer::lapin::BasicProperties;
             use idem::consumer::lapin::options::ConfirmSelectOptions;
             let queue = args.queue.as_deref().unwrap_or_default();
+            // Every exchange with the broker is bounded: lapin leaves some requests
+            // pending for good when their channel closes under them.
+            let timeout = idem::consumer::DEFAULT_BROKER_TIMEOUT;
+            let silent = |what: &str| {
+                Fail::new(
+                    fail::OTHER,
+                    format!("amqp: {what}: no answer from the broker within {timeout:?}"),
+                )
+            };
             let connection = connect(url).await.map_err(broker_fail)?;
             let result = async {
-                let channel = connection
-                    .create_channel()
+                let setup = async {
+                    let channel = connection
+                        .create_channel()
+                        .await
+                        .map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
+                    declare_queue(&channel, queue).await.map_err(broker_fail)?;
+                    channel
+                        .confirm_select(ConfirmSelectOptions::default())
+                        .await
+                        .map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
+                    Ok::<_, Fail>(channel)
+                };
+                let channel = tokio::time::timeout(timeout, setup)
                     .await
-                    .map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
-                declare_queue(&channel, queue).await.map_err(broker_fail)?;
-                channel
-                    .confirm_select(ConfirmSelectOptions::default())
-                    .await
-                    .map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
+                    .map_err(|_| silent("open a channel in confirm mode"))??;
                 for _ in 0..args.times {
                     for id in &ids {
                         let mut props = BasicProperties::default()
@@ -407,7 +422,7 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
                             queue,
                             body.as_bytes(),
                             props,
-                            idem::consumer::DEFAULT_BROKER_TIMEOUT,
+                            timeout,
                         )
                         .await
                         .map_err(broker_fail)?;
@@ -417,8 +432,12 @@ pub(crate) async fn publish(args: PublishArgs) -> Result<(), Fail> {
                 Ok::<(), Fail>(())
             }
             .await;
-            let _ = connection.close(200, "done".into()).await;
+            let closed = tokio::time::timeout(timeout, connection.close(200, "done".into())).await;
             result?;
+            // Every message was confirmed: a close without an answer loses nothing.
+            if closed.is_err() {
+                eprintln!("{}", silent("close the connection").message);
+            }
             eprintln!("published {sent} messages to queue {queue:?}");
             return Ok(());
         }

@@ -146,7 +146,8 @@ impl AmqpPublisher {
     /// Publishes to `exchange` (which must exist: it is checked now) instead of the
     /// default exchange; its bindings route each message by its destination (the
     /// routing key), and no queue is declared. A message no binding routes is returned
-    /// by the broker and fails the publish.
+    /// by the broker and fails the publish. The check waits at most the confirmation
+    /// timeout for the broker's answer.
     pub async fn to_exchange(mut self, exchange: &str) -> Result<Self, PublishError> {
         if exchange.is_empty() || exchange.len() > 255 {
             return Err(PublishError::Config(format!(
@@ -154,26 +155,43 @@ impl AmqpPublisher {
                 exchange.len()
             )));
         }
-        // On a channel of its own: a failed passive declare closes its channel.
-        let ch = self
-            .connection
-            .create_channel()
+        // On a channel of its own: a failed passive declare closes its channel. Bounded
+        // like every exchange with the broker (lapin leaves some requests pending for
+        // good when their channel closes under them).
+        let action = format!("find exchange {exchange:?}");
+        let lookup = async {
+            let ch = self
+                .connection
+                .create_channel()
+                .await
+                .map_err(broker("open a channel"))?;
+            let found = ch
+                .exchange_declare(
+                    exchange.into(),
+                    ExchangeKind::Direct,
+                    ExchangeDeclareOptions {
+                        passive: true,
+                        ..ExchangeDeclareOptions::default()
+                    },
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(broker(action.clone()));
+            let _ = ch.close(200, "checked".into()).await;
+            found
+        };
+        tokio::time::timeout(self.confirm_timeout, lookup)
             .await
-            .map_err(broker("open a channel"))?;
-        let found = ch
-            .exchange_declare(
-                exchange.into(),
-                ExchangeKind::Direct,
-                ExchangeDeclareOptions {
-                    passive: true,
-                    ..ExchangeDeclareOptions::default()
-                },
-                FieldTable::default(),
-            )
-            .await
-            .map_err(broker(format!("find exchange {exchange:?}")));
-        let _ = ch.close(200, "checked".into()).await;
-        found?;
+            .map_err(|_| {
+                PublishError::broker(
+                    BROKER,
+                    action.clone(),
+                    format!(
+                        "no answer from the broker within {:?}",
+                        self.confirm_timeout
+                    ),
+                )
+            })??;
         self.exchange = Some(exchange.to_owned());
         Ok(self)
     }
