@@ -17,8 +17,10 @@ IDEM_BROKERS=${IDEM_BROKERS:-1}
 
 wants() { [[ " $IDEM_ENGINES " == *" $1 "* ]]; }
 
-# One build with every feature: each example binary then holds only what it uses.
-cargo build --locked -p idem-examples --all-features --examples
+# One build with every feature, as ci/test.sh built the workspace (a `-p` selection would
+# resolve the dependencies' features anew and rebuild them): each example binary then holds
+# only what it uses.
+cargo build --locked --workspace --all-features --examples
 bin="${CARGO_TARGET_DIR:-$PWD/target}/debug/examples"
 
 # name, engine, broker (- for none)

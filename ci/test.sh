@@ -8,6 +8,9 @@
 # the maintenance loop (three `idem maintain` processes per engine, the runner SIGKILLed),
 # the README's walkthrough on each required engine, and the runnable examples (examples/)
 # against their engines and brokers. It starts only the servers these steps need.
+# The static checks that need no server (clippy, documentation, feature combinations, MSRV,
+# packages: ci/checks.sh) run beside the tests, once the build is done, and end the run
+# with their output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,6 +33,7 @@ IDEM_CLUSTERS=${IDEM_CLUSTERS:-1}
 # well inside CI's limit).
 steps=()
 step() {
+  checks_failed_early
   steps+=("$SECONDS $*")
   printf '\n==> [%ss] %s\n' "$SECONDS" "$*"
 }
@@ -44,7 +48,38 @@ summary() {
   done
   printf '%6s  total\n' "$SECONDS"
 }
-trap summary EXIT
+# The static checks (ci/checks.sh) run beside the tests, started once the build is done:
+# they need no server and build into target/checks, at the lowest CPU and I/O priority, so the
+# tests' own builds and servers come first. Their output is printed when they end; a failure
+# fails the run at the next step.
+checks_dir=${CARGO_TARGET_DIR:-$PWD/target}/checks
+checks_pid=
+checks_failed_early() {
+  if [ -n "$checks_pid" ] && [ -f "$checks_dir.rc" ] && [ "$(cat "$checks_dir.rc")" != 0 ]; then
+    finish_checks
+  fi
+}
+finish_checks() {
+  local rc
+  wait "$checks_pid" 2>/dev/null || true
+  checks_pid=
+  rc=$(cat "$checks_dir.rc" 2>/dev/null || echo 1)
+  printf '\n==> the static checks (ci/checks.sh, run beside the tests), their output:\n'
+  cat "$checks_dir.log"
+  if [ "$rc" != 0 ]; then
+    echo "the static checks (ci/checks.sh) failed with status $rc" >&2
+    exit "$rc"
+  fi
+}
+stop_checks() {
+  # The run ended before the static checks did (a failure): stop them.
+  if [ -n "$checks_pid" ]; then kill -TERM -- "-$checks_pid" 2>/dev/null || true; fi
+}
+on_exit() {
+  stop_checks
+  summary
+}
+trap on_exit EXIT
 wants() { [[ " $IDEM_ENGINES " == *" $1 "* ]]; }
 brokers() { [ "$IDEM_BROKERS" = 1 ]; }
 clusters() { [ "$IDEM_CLUSTERS" = 1 ]; }
@@ -72,32 +107,47 @@ if wants mysql && clusters; then ensure_galera_binaries; fi
 step "format"
 cargo fmt --all --check
 
-step "clippy (warnings denied)"
-cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-
-step "feature combinations: the facade with each engine and integration alone, the CLI lean and per engine (ci/features.sh)"
-ci/features.sh
-
-step "minimum Rust versions: 1.88, and 1.94 for PostgreSQL (ci/msrv.sh)"
-ci/msrv.sh
-
-step "documentation (warnings denied)"
-RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --all-features --locked
-
+# Every test binary is built once, here, with the whole workspace's features. The test
+# steps select their targets by name under `--workspace`: a `-p` selection resolves the
+# dependencies' features anew for the packages it names and rebuilds them (minutes per
+# selection), and would leave target/debug/idem built with other features.
 step "build"
 cargo build --workspace --all-targets --all-features --locked
 
-step "packages: cargo package and publish --dry-run of every crate, the packaged facade built alone (ci/package.sh)"
-ci/package.sh
+step "static checks started beside the tests: clippy, documentation, feature combinations, MSRV, packages (ci/checks.sh, output at the end)"
+rm -f "$checks_dir.rc"
+mkdir -p "$(dirname "$checks_dir")"
+setsid bash -c 'CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.log" 2>&1; echo $? >"$1.rc"' \
+  checks "$checks_dir" &
+checks_pid=$!
 
-step "unit, snapshot, offline and doc tests (no database server)"
-cargo test --workspace --all-features --locked --exclude idem-tests --exclude idem-postgres --exclude idem-mysql --exclude idem-cli
-cargo test --locked -p idem-cli --all-features --bins
-cargo test --locked -p idem-postgres -p idem-mysql --all-features --lib
-cargo test --locked -p idem-postgres -p idem-mysql --all-features --doc
-cargo test --locked -p idem-tests --all-features --test workflows
-# The repository README's Rust examples.
-cargo test --locked -p idem-tests --all-features --doc
+# Test target names are unique across the workspace, so that `--workspace --test NAME`
+# selects one target (the crates' tests/*.rs, and the [[test]] targets of tests/ and
+# examples/).
+crate_tests() {
+  local crate file
+  for crate; do
+    for file in crates/"$crate"/tests/*.rs; do
+      printf -- '--test\n%s\n' "$(basename "$file" .rs)"
+    done
+  done
+}
+duplicated=$({
+  for file in crates/*/tests/*.rs; do basename "$file" .rs; done
+  for manifest in tests/Cargo.toml examples/Cargo.toml; do
+    awk '/^\[\[test\]\]/{t=1; next} /^\[/{t=0} t && /^name *=/{gsub(/.*= *"|".*/, ""); print}' "$manifest"
+  done
+} | sort | uniq -d)
+if [ -n "$duplicated" ]; then
+  echo "test targets of different crates share a name (rename one): $duplicated" >&2
+  exit 1
+fi
+
+step "unit, snapshot, offline and doc tests; the integration tests of the facade, idem-axum, SQLite, SQL Server and Oracle crates"
+mapfile -t offline_tests < <(crate_tests idem idem-axum idem-sqlite idem-mssql idem-oracle)
+cargo test --workspace --all-features --locked --lib --bins "${offline_tests[@]}" --test workflows --test excerpts
+# Every library's doc tests, the repository README's Rust examples among them.
+cargo test --workspace --all-features --locked --doc
 
 for engine in sqlite postgres mysql mssql oracle; do
   case $engine in
@@ -105,26 +155,29 @@ for engine in sqlite postgres mysql mssql oracle; do
     *) wants "$engine" || continue ;;
   esac
   step "conformance suite: $engine"
-  cargo test --locked -p idem-tests --all-features --test "$engine"
+  cargo test --locked --workspace --all-features --test "$engine"
   case $engine in
     mssql | oracle)
       url_var="IDEM_$(echo "$engine" | tr a-z A-Z)_URL"
       if [ -n "${!url_var:-}" ]; then
         step "$engine: live engine tests (the crate's #[ignore]d tests, $url_var set)"
-        cargo test --locked -p "idem-$engine" --all-features --tests -- --include-ignored
+        mapfile -t engine_tests < <(crate_tests "idem-$engine")
+        cargo test --locked --workspace --all-features "${engine_tests[@]}" -- --include-ignored
       else
         echo "$engine: the crate's live tests stay ignored ($url_var is not set): not verified live"
       fi
       ;;
     postgres)
       step "conformance suite: postgres with the placeholder claim (IDEM_POSTGRES_CLAIM_STYLE=placeholder, as on Citus)"
-      IDEM_POSTGRES_CLAIM_STYLE=placeholder cargo test --locked -p idem-tests --all-features --test postgres
-      step "PostgreSQL: serialization failures retried with the same key"
-      cargo test --locked -p idem-postgres --all-features --tests
+      IDEM_POSTGRES_CLAIM_STYLE=placeholder cargo test --locked --workspace --all-features --test postgres
+      step "PostgreSQL: the crate's live tests (serialization failures retried with the same key, the key lock, traps)"
+      mapfile -t engine_tests < <(crate_tests idem-postgres)
+      cargo test --locked --workspace --all-features "${engine_tests[@]}"
       ;;
     mysql)
-      step "MariaDB: deadlocks retried with the same key"
-      cargo test --locked -p idem-mysql --all-features --tests
+      step "MariaDB: the crate's live tests (deadlocks retried with the same key, traps)"
+      mapfile -t engine_tests < <(crate_tests idem-mysql)
+      cargo test --locked --workspace --all-features "${engine_tests[@]}"
       ;;
   esac
 done
@@ -137,14 +190,14 @@ export IDEM_FAULT_SCALE=${IDEM_FAULT_SCALE:-10}
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   step "fault suite: $engine (scale $IDEM_FAULT_SCALE)"
-  cargo test --locked -p idem-tests --all-features --test faults -- "$engine::"
+  cargo test --locked --workspace --all-features --test faults -- "$engine::"
   if [ "$engine" != sqlite ]; then
     step "least privilege: $engine writer and purger roles (grants.sql)"
-    cargo test --locked -p idem-tests --all-features --test least_privilege -- "$engine::"
+    cargo test --locked --workspace --all-features --test least_privilege -- "$engine::"
   fi
 done
 step "least privilege: every engine's grants.sql names existing, non-key columns (offline)"
-cargo test --locked -p idem-tests --all-features --test least_privilege -- grants_scripts
+cargo test --locked --workspace --all-features --test least_privilege -- grants_scripts
 
 # The network-fault suite (tests/net_faults): a proxy between idem and the server loses
 # the replies of chosen statements (a COMMIT that ran), cuts connections mid-statement and
@@ -154,22 +207,22 @@ export IDEM_NETFAULT_SCALE=${IDEM_NETFAULT_SCALE:-10}
 for engine in postgres mysql; do
   wants "$engine" || continue
   step "network faults: lost replies, cuts and delays on $engine (scale $IDEM_NETFAULT_SCALE)"
-  cargo test --locked -p idem-tests --all-features --test net_faults -- "$engine::"
+  cargo test --locked --workspace --all-features --test net_faults -- "$engine::"
 done
 
 for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   step "HTTP: idem demo serve through reqwest on $engine (docs/http.md)"
-  cargo test --locked -p idem-cli --all-features --test serve -- "${engine}_" --test-threads=2
+  cargo test --locked --workspace --all-features --test serve -- "${engine}_" --test-threads=2
 done
 
 if wants sqlite && wants postgres && wants mysql; then
   step "hostile input, property-based (IDEM_PROPTEST_CASES, default 48 per property and engine)"
-  cargo test --locked -p idem-tests --all-features --test hostile
+  cargo test --locked --workspace --all-features --test hostile
   step "effect errors of every shape: a deadlock inside the effect retried with the same key"
-  cargo test --locked -p idem-tests --all-features --test effect_errors
+  cargo test --locked --workspace --all-features --test effect_errors
   step "the idem command: exit codes per failure on every engine, connect timeout, plain output"
-  cargo test --locked -p idem-cli --all-features --test cli
+  cargo test --locked --workspace --all-features --test cli
 fi
 # The consumer processes under test are the `idem` binary built above.
 for engine in sqlite postgres mysql; do
@@ -179,7 +232,7 @@ for engine in sqlite postgres mysql; do
     continue
   fi
   step "idempotent consumers on RabbitMQ and NATS JetStream: $engine"
-  cargo test --locked -p idem-tests --all-features --test brokers -- "::$engine::"
+  cargo test --locked --workspace --all-features --test brokers -- "::$engine::"
 done
 
 # Broker faults (tests/broker_faults, docs/reliability.md): dead-letter destinations deleted or
@@ -190,7 +243,7 @@ if wants sqlite && wants postgres && wants mysql; then
   if brokers; then
     step "broker faults: dead letters, RabbitMQ and NATS restarted, paused and silent (sqlite, postgres, mysql)"
     ensure_broker_binaries
-    cargo test --locked -p idem-tests --all-features --test broker_faults
+    cargo test --locked --workspace --all-features --test broker_faults
   else
     step "broker faults SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -202,15 +255,15 @@ fi
 if wants sqlite && wants postgres && wants mysql; then
   if brokers; then
     step "transactional outbox: relays on RabbitMQ and NATS JetStream (sqlite, postgres, mysql)"
-    cargo test --locked -p idem-tests --all-features --test outbox
+    cargo test --locked --workspace --all-features --test outbox
   else
     step "transactional outbox: relays on RabbitMQ and NATS JetStream SKIPPED (IDEM_BROKERS=0)"
   fi
   step "external effects: idem demo fake-provider, serve --provider, complete (every engine)"
-  cargo test --locked -p idem-cli --all-features --test orders
+  cargo test --locked --workspace --all-features --test orders
   if brokers; then
     step "external effects: the card charge under SIGKILLs and provider faults (sqlite, postgres, mysql)"
-    cargo test --locked -p idem-tests --all-features --test external
+    cargo test --locked --workspace --all-features --test external
   else
     step "external effects: the card charge (relayed to RabbitMQ) SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -223,12 +276,12 @@ for engine in sqlite postgres mysql; do
   wants "$engine" || continue
   case $engine in mysql) name=mariadb ;; *) name=$engine ;; esac
   step "maintenance once per fleet: three idem maintain processes, the runner SIGKILLed ($engine)"
-  cargo test --locked -p idem-cli --all-features --test maintain -- "${name}_one_runner"
+  cargo test --locked --workspace --all-features --test maintain -- "${name}_one_runner"
 done
 if wants sqlite; then
   if brokers; then
     step "maintenance: the relay task of idem maintain on RabbitMQ (sqlite)"
-    cargo test --locked -p idem-cli --all-features --test maintain -- sqlite_relay_task
+    cargo test --locked --workspace --all-features --test maintain -- sqlite_relay_task
   else
     step "maintenance: the relay task of idem maintain on RabbitMQ SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -239,10 +292,10 @@ fi
 # with IDEM_CITUS_URL naming a coordinator, the conformance cases with idem's tables
 # distributed, a same-key storm and the distributed purge.
 step "Citus rules, offline: every PostgreSQL statement and later migration (no server)"
-cargo test --locked -p idem-postgres --all-features --lib citus_rules
+cargo test --locked --workspace --all-features --lib citus_rules
 step "distributed engines (optional: IDEM_COCKROACH_URL, IDEM_YUGABYTE_URL, IDEM_CITUS_URL, IDEM_TIDB_URL; skipped by name when unset)"
 for target in cockroach yugabyte citus tidb; do
-  cargo test --locked -p idem-tests --all-features --test "$target"
+  cargo test --locked --workspace --all-features --test "$target"
 done
 
 if clusters; then
@@ -250,16 +303,16 @@ if clusters; then
   # scripts that start them (IDEM_CLUSTERS=0 skips them, visibly); each with its engine.
   if wants mysql; then
     step "MariaDB Galera, 3 nodes: conformance on one node, cross-node storms, a node SIGKILLed, network faults"
-    ci/galera.sh run bash -c 'cargo test --locked -p idem-tests --all-features --test galera &&
-      cargo test --locked -p idem-tests --all-features --test galera_cluster &&
-      cargo test --locked -p idem-tests --all-features --test net_faults -- galera::'
+    ci/galera.sh run bash -c 'cargo test --locked --workspace --all-features --test galera &&
+      cargo test --locked --workspace --all-features --test galera_cluster &&
+      cargo test --locked --workspace --all-features --test net_faults -- galera::'
   else
     step "MariaDB Galera SKIPPED (mysql is not in IDEM_ENGINES)"
   fi
   for mode in sync async; do
     if wants postgres; then
       step "PostgreSQL failover, $mode replication: primary killed, standby promoted, every key retried"
-      ci/pg-failover.sh run "$mode" cargo test --locked -p idem-tests --all-features --test pg_failover
+      ci/pg-failover.sh run "$mode" cargo test --locked --workspace --all-features --test pg_failover
     else
       step "PostgreSQL failover, $mode replication SKIPPED (postgres is not in IDEM_ENGINES)"
     fi
@@ -271,9 +324,9 @@ fi
 step "the README's walkthrough"
 # The binary with every feature (the steps above left it so; an earlier step with fewer
 # features would have rebuilt it without `idem bench`).
-cargo build --locked -p idem-cli --all-features
+cargo build --locked --workspace --all-features --bin idem
 demo_dir=$(mktemp -d)
-trap 'rm -rf "$demo_dir"; summary' EXIT
+trap 'rm -rf "$demo_dir"; on_exit' EXIT
 idem="$PWD/target/debug/idem"
 (cd "$demo_dir" && "$idem" demo)
 if wants postgres; then
@@ -295,11 +348,11 @@ step "examples: each run against its engine or broker (ci/examples.sh)"
 IDEM_ENGINES="$IDEM_ENGINES" IDEM_BROKERS="$IDEM_BROKERS" ci/examples.sh
 
 step "criterion benchmarks in test mode (each benchmark once, nothing timed)"
-cargo test --locked -p idem-cli --all-features --benches
+cargo test --locked --workspace --all-features --bench "*"
 
 step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation)"
 bench_dir=$(mktemp -d)
-trap 'rm -rf "$demo_dir" "$bench_dir"; summary' EXIT
+trap 'rm -rf "$demo_dir" "$bench_dir"; on_exit' EXIT
 smoke=(bench --clients 1,2 --duration 200ms --rounds 1)
 (cd "$bench_dir" && "$idem" --url sqlite://bench.db "${smoke[@]}" --json sqlite.json >/dev/null)
 charted=(--with "$bench_dir/sqlite.json")
@@ -319,5 +372,8 @@ if [ -n "$(ls -A "$bench_dir")" ]; then
   exit 1
 fi
 echo "idem bench on every required engine: ok"
+
+step "the static checks (ci/checks.sh): waiting for them to end"
+finish_checks
 
 step "all checks passed"

@@ -1,7 +1,7 @@
 //! Phased runs and the transactional outbox on SQL Server: statements and transactions
 //! only (the protocol is idem-core's [`idem_core::Run`] and [`idem_core::Idem::relay`]).
 //! Written from the documentation; verified offline only (SQL snapshots), and live where
-//! `IDEM_MSSQL_URL` is set (`tests/runs.rs`).
+//! `IDEM_MSSQL_URL` is set (`tests/mssql_runs.rs`).
 //!
 //! - **Transactions** open like a claim's (`@@TRANCOUNT` must be 0, `XACT_ABORT OFF` so
 //!   a duplicate key ends only its statement), always at **READ COMMITTED** whatever the

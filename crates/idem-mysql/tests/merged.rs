@@ -151,7 +151,7 @@ fn hex(s: &str) -> String {
 async fn a_payload_whose_hex_form_exceeds_max_allowed_packet_is_refused_before_any_sql() {
     let db = PrivateDb::create("hexpacket").await;
     if !is_mariadb(&db).await {
-        // MySQL binds the payload: its own limit is checked by traps.rs.
+        // MySQL binds the payload: its own limit is checked by mysql_traps.rs.
         db.drop_database().await;
         return;
     }

@@ -1,7 +1,7 @@
 //! Phased runs and the transactional outbox on Oracle: statements and transactions only
 //! (the protocol is idem-core's [`idem_core::Run`] and [`idem_core::Idem::relay`]).
 //! Written from the documentation; verified offline only (SQL snapshots), and live where
-//! `IDEM_ORACLE_URL` is set (`tests/runs.rs`).
+//! `IDEM_ORACLE_URL` is set (`tests/oracle_runs.rs`).
 //!
 //! - **Transactions** are a leased connection with no transaction open (Oracle starts one
 //!   at the first write or `FOR UPDATE`), at Oracle's READ COMMITTED: a run's row is read
