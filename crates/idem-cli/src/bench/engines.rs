@@ -106,6 +106,23 @@ pub(crate) trait BenchEngine: Bank {
     /// A primary-key read of one balance.
     fn bare_read(b: &Self::B, account: i64) -> impl Future<Output = Result<i64, DbError>> + Send;
 
+    /// Path (i), the floor: the bare debit and, in the same transaction, one plain
+    /// `INSERT` of a finished record of idem's shape (`id`: principal, operation, key; the
+    /// bench's request, the debit's balance as the response), no idem code. What writing
+    /// the record with the effect costs the engine before any protocol runs.
+    fn floor_debit(
+        b: &Self::B,
+        account: i64,
+        id: [&str; 3],
+    ) -> impl Future<Output = Result<(), DbError>> + Send;
+
+    /// Path (j): the primary-key read of a stored, live record (`id`), the statement of
+    /// idem's replay read, no idem code; `true` when it found the record.
+    fn record_read(
+        b: &Self::B,
+        id: [&str; 3],
+    ) -> impl Future<Output = Result<bool, DbError>> + Send;
+
     /// Creates the seed's tables and function in the namespace, with `accounts` accounts.
     fn install_function(
         b: &Self::B,
@@ -130,6 +147,17 @@ pub(crate) trait BenchEngine: Bank {
     const SIZE_METHOD: &'static str;
 }
 
+/// The request path (i) stores: the bench's own request, as idem stores it.
+pub(crate) const FLOOR_REQUEST: &str = r#"{"amount":1}"#;
+
+/// The response path (i) stores: the balance the debit returned.
+pub(crate) fn floor_response(balance: Option<i64>) -> String {
+    match balance {
+        Some(b) => format!(r#"{{"balance":{b}}}"#),
+        None => "null".to_owned(),
+    }
+}
+
 fn to_u64(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }
@@ -145,7 +173,8 @@ mod postgres {
     use idem_conformance::postgres::PgBank;
 
     use super::{
-        BenchEngine, ClaimChoice, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64,
+        BenchEngine, ClaimChoice, FILL_CHUNK, FLOOR_REQUEST, PoolMode, TYPICAL_REQUEST,
+        TYPICAL_RESPONSE, floor_response, to_u64,
     };
 
     /// The seed chapter's schema and function, verbatim but for the table names.
@@ -262,6 +291,45 @@ $$;
                 .map_err(db_error)
         }
 
+        async fn floor_debit(b: &PgBackend, account: i64, id: [&str; 3]) -> Result<(), DbError> {
+            let mut tx = b.pool().begin().await.map_err(db_error)?;
+            let balance: Option<i64> = sqlx::query_scalar(
+                "UPDATE idem_demo_account SET balance = balance - $2 WHERE account_id = $1 AND balance >= $2 RETURNING balance",
+            )
+            .bind(account)
+            .bind(1_i64)
+            .fetch_optional(&mut *tx)
+            .await
+            .map_err(db_error)?;
+            sqlx::query(
+                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 VALUES ($1, $2, $3, $4, $5, 0, clock_timestamp(), clock_timestamp() + interval '24 hours')",
+            )
+            .bind(id[0])
+            .bind(id[1])
+            .bind(id[2])
+            .bind(FLOOR_REQUEST)
+            .bind(floor_response(balance))
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+            tx.commit().await.map_err(db_error)
+        }
+
+        async fn record_read(b: &PgBackend, id: [&str; 3]) -> Result<bool, DbError> {
+            let row: Option<(String, Option<String>, i16)> = sqlx::query_as(
+                "SELECT request, response, status FROM idem_request_result \
+                 WHERE principal = $1 AND operation = $2 AND request_key = $3 AND expires_at > clock_timestamp()",
+            )
+            .bind(id[0])
+            .bind(id[1])
+            .bind(id[2])
+            .fetch_optional(b.pool())
+            .await
+            .map_err(db_error)?;
+            Ok(row.is_some())
+        }
+
         async fn install_function(b: &PgBackend, accounts: i64) -> Result<(), DbError> {
             sqlx::raw_sql(SEED)
                 .execute(b.pool())
@@ -326,7 +394,8 @@ mod mysql {
     use idem_conformance::mysql::MysqlBank;
 
     use super::{
-        BenchEngine, ClaimChoice, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64,
+        BenchEngine, ClaimChoice, FILL_CHUNK, FLOOR_REQUEST, PoolMode, TYPICAL_REQUEST,
+        TYPICAL_RESPONSE, floor_response, to_u64,
     };
 
     /// The seed's tables on InnoDB. Unlike the PostgreSQL original there is no foreign
@@ -458,6 +527,54 @@ END";
             Ok(v.unwrap_or_default())
         }
 
+        async fn floor_debit(b: &MysqlBackend, account: i64, id: [&str; 3]) -> Result<(), DbError> {
+            let mut tx = b
+                .pool()
+                .start_transaction(TxOpts::default())
+                .await
+                .map_err(db_error)?;
+            tx.exec_drop(
+                "UPDATE idem_demo_account SET balance = balance - ? WHERE account_id = ? AND balance >= ?",
+                (1_i64, account, 1_i64),
+            )
+            .await
+            .map_err(db_error)?;
+            let balance: Option<i64> = tx
+                .exec_first(
+                    "SELECT balance FROM idem_demo_account WHERE account_id = ?",
+                    (account,),
+                )
+                .await
+                .map_err(db_error)?;
+            tx.exec_drop(
+                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 24 HOUR)",
+                (
+                    id[0].as_bytes(),
+                    id[1].as_bytes(),
+                    id[2].as_bytes(),
+                    FLOOR_REQUEST,
+                    floor_response(balance),
+                ),
+            )
+            .await
+            .map_err(db_error)?;
+            tx.commit().await.map_err(db_error)
+        }
+
+        async fn record_read(b: &MysqlBackend, id: [&str; 3]) -> Result<bool, DbError> {
+            let mut conn = b.pool().get_conn().await.map_err(db_error)?;
+            let row: Option<(String, Option<String>, i16)> = conn
+                .exec_first(
+                    "SELECT request, response, status FROM idem_request_result \
+                     WHERE principal = ? AND operation = ? AND request_key = ? AND expires_at > UTC_TIMESTAMP(6)",
+                    (id[0].as_bytes(), id[1].as_bytes(), id[2].as_bytes()),
+                )
+                .await
+                .map_err(db_error)?;
+            Ok(row.is_some())
+        }
+
         async fn install_function(b: &MysqlBackend, accounts: i64) -> Result<(), DbError> {
             let mut conn = b.pool().get_conn().await.map_err(db_error)?;
             for sql in SEED_TABLES {
@@ -519,7 +636,8 @@ mod sqlite {
     use idem_conformance::sqlite::SqliteBank;
 
     use super::{
-        BenchEngine, ClaimChoice, FILL_CHUNK, PoolMode, TYPICAL_REQUEST, TYPICAL_RESPONSE, to_u64,
+        BenchEngine, ClaimChoice, FILL_CHUNK, FLOOR_REQUEST, PoolMode, TYPICAL_REQUEST,
+        TYPICAL_RESPONSE, floor_response, to_u64,
     };
 
     fn in_transaction<T>(
@@ -605,6 +723,53 @@ mod sqlite {
             b.interact(move |c| {
                 c.prepare_cached("SELECT balance FROM idem_demo_account WHERE account_id = ?1")?
                     .query_row(params![account], |r| r.get::<_, i64>(0))
+            })
+            .await
+        }
+
+        async fn floor_debit(
+            b: &SqliteBackend,
+            account: i64,
+            id: [&str; 3],
+        ) -> Result<(), DbError> {
+            let id = id.map(str::to_owned);
+            b.interact(move |c| {
+                in_transaction(c, |c| {
+                    let balance = c
+                        .prepare_cached(
+                            "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance",
+                        )?
+                        .query_row(params![account, 1_i64], |r| r.get::<_, i64>(0))
+                        .optional()?;
+                    c.prepare_cached(
+                        "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                         VALUES (?1, ?2, ?3, ?4, ?5, 0, CAST(unixepoch('subsec') * 1000000 AS INTEGER), \
+                         CAST(unixepoch('subsec') * 1000000 AS INTEGER) + 86400000000)",
+                    )?
+                    .execute(params![id[0], id[1], id[2], FLOOR_REQUEST, floor_response(balance)])
+                    .map(drop)
+                })
+            })
+            .await
+        }
+
+        async fn record_read(b: &SqliteBackend, id: [&str; 3]) -> Result<bool, DbError> {
+            let id = id.map(str::to_owned);
+            b.interact(move |c| {
+                c.prepare_cached(
+                    "SELECT request, response, status FROM idem_request_result \
+                     WHERE principal = ?1 AND operation = ?2 AND request_key = ?3 \
+                     AND expires_at > CAST(unixepoch('subsec') * 1000000 AS INTEGER)",
+                )?
+                .query_row(params![id[0], id[1], id[2]], |r| {
+                    Ok((
+                        r.get::<_, String>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, i64>(2)?,
+                    ))
+                })
+                .optional()
+                .map(|row| row.is_some())
             })
             .await
         }

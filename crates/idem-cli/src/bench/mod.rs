@@ -57,10 +57,15 @@ pub(crate) enum Path {
     /// (h) an idempotent debit with a new key whose effect is synchronous code, the
     /// whole call in one trip to the blocking pool (SQLite's `execute_blocking`).
     NewSync,
+    /// (i) the floor: the bare debit and a plain `INSERT` of a finished record in the same
+    /// transaction, no idem code.
+    Floor,
+    /// (j) the primary-key read of a stored record (idem's replay read), no idem code.
+    RecordRead,
 }
 
 impl Path {
-    const ALL: [Path; 8] = [
+    const ALL: [Path; 10] = [
         Path::Bare,
         Path::New,
         Path::Replay,
@@ -69,6 +74,8 @@ impl Path {
         Path::Consumer,
         Path::Function,
         Path::NewSync,
+        Path::Floor,
+        Path::RecordRead,
     ];
 
     pub(crate) fn letter(self) -> char {
@@ -81,6 +88,8 @@ impl Path {
             Path::Consumer => 'f',
             Path::Function => 'g',
             Path::NewSync => 'h',
+            Path::Floor => 'i',
+            Path::RecordRead => 'j',
         }
     }
 
@@ -94,6 +103,8 @@ impl Path {
             Path::Consumer => "consumer (new message)",
             Path::Function => "server-side debit_once",
             Path::NewSync => "idem new request, synchronous effect",
+            Path::Floor => "floor: bare debit + record INSERT",
+            Path::RecordRead => "record primary-key read, no idem",
         }
     }
 
@@ -107,6 +118,8 @@ impl Path {
             Path::Consumer => "consumer",
             Path::Function => "debit_once",
             Path::NewSync => "idem new (sync)",
+            Path::Floor => "floor",
+            Path::RecordRead => "record read",
         }
     }
 }
@@ -158,6 +171,22 @@ pub(crate) struct Ratios {
     /// (h)/(a): idem new request with a synchronous effect over the bare debit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) new_sync_over_bare: Option<f64>,
+    /// (i)/(a): the floor over the bare debit, the highest new ÷ bare that any
+    /// protocol writing the record in the effect's transaction reaches here.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) floor_over_bare: Option<f64>,
+    /// (b)/(i): idem new request over the floor: what idem's protocol costs above it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) new_over_floor: Option<f64>,
+    /// (h)/(i): idem new request with a synchronous effect over the floor.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) new_sync_over_floor: Option<f64>,
+    /// (j)/(d): the record's read over the account's read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) record_read_over_read: Option<f64>,
+    /// (c)/(j): idem replay over the record's own read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) replay_over_record_read: Option<f64>,
 }
 
 /// Client→server round trips per operation, counted through the proxy.
@@ -225,6 +254,15 @@ impl<K: BenchEngine> Ctx<K> {
         })
     }
 
+    /// The record identity of `key` in the bench's scope, as idem stores it.
+    fn id<'a>(&'a self, key: &'a str) -> [&'a str; 3] {
+        [
+            self.scope.principal.as_str(),
+            self.scope.operation.as_str(),
+            key,
+        ]
+    }
+
     fn fresh(&self, prefix: char) -> String {
         format!(
             "{prefix}-{}-{}",
@@ -249,6 +287,20 @@ async fn op<K: BenchEngine>(ctx: &Ctx<K>, path: Path, clients: usize) -> Result<
         Path::Function => K::call_function(&ctx.backend, account, &ctx.fresh('f'))
             .await
             .map_err(|e| text(&e)),
+        Path::Floor => K::floor_debit(&ctx.backend, account, ctx.id(&ctx.fresh('i')))
+            .await
+            .map_err(|e| text(&e)),
+        Path::RecordRead => {
+            let key = &ctx.replay_keys[fastrand::usize(..ctx.replay_keys.len())];
+            match K::record_read(&ctx.backend, ctx.id(key.as_str())).await {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(format!(
+                    "the stored record of {} was not found",
+                    key.as_str()
+                )),
+                Err(e) => Err(text(&e)),
+            }
+        }
         Path::New | Path::Replay | Path::Storm => {
             let key = match path {
                 Path::New => Key::new(ctx.fresh('n')).map_err(|e| text(&e))?,
@@ -430,7 +482,7 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
     {
         return Err(Fail::new(
             crate::fail::INVALID_INPUT,
-            format!("--paths: no path ({bad}); the paths are a to h (see docs/performance.md)"),
+            format!("--paths: no path ({bad}); the paths are a to j (see docs/performance.md)"),
         ));
     }
     let ns = namespace("bench");
@@ -641,6 +693,11 @@ async fn measure<K: BenchEngine>(
             replay_over_read: ratio(Path::Replay, Path::Read),
             new_over_function: ratio(Path::New, Path::Function),
             new_sync_over_bare: ratio(Path::NewSync, Path::Bare),
+            floor_over_bare: ratio(Path::Floor, Path::Bare),
+            new_over_floor: ratio(Path::New, Path::Floor),
+            new_sync_over_floor: ratio(Path::NewSync, Path::Floor),
+            record_read_over_read: ratio(Path::RecordRead, Path::Read),
+            replay_over_record_read: ratio(Path::Replay, Path::RecordRead),
         });
     }
     report.load_after = load_average();
@@ -849,6 +906,21 @@ fn print(report: &Report) {
                 println!(
                     "        (h)/(a) new, synchronous effect ÷ bare {}",
                     fmt_ratio(r.new_sync_over_bare)
+                );
+            }
+            if r.floor_over_bare.is_some() || r.record_read_over_read.is_some() {
+                println!(
+                    "floor:  (i)/(a) floor ÷ bare {}   (b)/(i) new ÷ floor {}   (j)/(d) record read ÷ read {}   (c)/(j) replay ÷ record read {}",
+                    fmt_ratio(r.floor_over_bare),
+                    fmt_ratio(r.new_over_floor),
+                    fmt_ratio(r.record_read_over_read),
+                    fmt_ratio(r.replay_over_record_read)
+                );
+            }
+            if r.new_sync_over_floor.is_some() {
+                println!(
+                    "        (h)/(i) new, synchronous effect ÷ floor {}",
+                    fmt_ratio(r.new_sync_over_floor)
                 );
             }
         }
