@@ -71,6 +71,11 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
             run: |k| Box::pin(concurrent_duplicates_execute_once(k)),
         },
         Case {
+            name: "duplicates_arriving_at_commit_replay",
+            promise: "duplicates arriving while the winner commits replay; none runs the effect again",
+            run: |k| Box::pin(duplicates_arriving_at_commit_replay(k)),
+        },
+        Case {
             name: "concurrent_takeover_after_rollback",
             promise: "a loser takes over when the winner rolls back",
             run: |k| Box::pin(concurrent_takeover_after_rollback(k)),
@@ -578,6 +583,82 @@ pub async fn concurrent_duplicates_execute_once<K: Bank>(bank: Arc<K>) -> CaseRe
         ("losers waited", waited.into()),
         (
             "effect invocations (committed: 1)",
+            runs.load(Ordering::SeqCst).to_string(),
+        ),
+    ])
+}
+
+/// (d') Duplicates that arrive while the winner is committing, staggered so that some
+/// read the key before the winner's commit and claim it after: each replays. The effect
+/// debits the whole balance, so a duplicate that ran it again against the committed
+/// debit would fail (insufficient balance) instead of replaying.
+pub async fn duplicates_arriving_at_commit_replay<K: Bank>(bank: Arc<K>) -> CaseResult {
+    const ROUNDS: usize = 40;
+    const N: usize = 12;
+    const STAGGER: Duration = Duration::from_micros(200);
+    const HOLD: Duration = Duration::from_millis(1);
+    let idem = Arc::new(idem(&*bank));
+    let scope = Arc::new(scope("account-1", "debit:v1")?);
+    let runs = counter();
+    let mut replayed_n = 0;
+    for round in 0..ROUNDS {
+        bank.set_balance(1, 100).await?;
+        let key = Arc::new(Key::new(format!("drain-{round}"))?);
+        let mut tasks = Vec::new();
+        for i in 0..N {
+            let (idem, scope, key, runs) = (
+                Arc::clone(&idem),
+                Arc::clone(&scope),
+                Arc::clone(&key),
+                Arc::clone(&runs),
+            );
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep(STAGGER * u32::try_from(i).unwrap_or(0)).await;
+                idem.execute(&scope, &key, &amount(100), move |tx| {
+                    runs.fetch_add(1, Ordering::SeqCst);
+                    Box::pin(async move {
+                        let b = K::debit(tx, 1, 100).await?;
+                        tokio::time::sleep(HOLD).await;
+                        Ok::<_, BankError>(b)
+                    })
+                })
+                .await
+            }));
+        }
+        let mut executed_n = 0;
+        for t in tasks {
+            match t.await.map_err(|e| fail(format!("task: {e}")))? {
+                Ok(Outcome::Executed(b)) => {
+                    expect_eq("winner's balance", b.balance, 0)?;
+                    executed_n += 1;
+                }
+                Ok(Outcome::Replayed(b)) => {
+                    expect_eq("replayed balance", b.balance, 0)?;
+                    replayed_n += 1;
+                }
+                Err(e) => {
+                    return Err(fail(format!(
+                        "round {round}: a duplicate failed instead of replaying the committed \
+                         debit (it ran the effect again against it): {e}"
+                    )));
+                }
+            }
+        }
+        expect_eq("executed per key", executed_n, 1)?;
+        expect_eq("balance", bank.balance(1).await?, 0)?;
+    }
+    expect_eq("records", bank.count_records().await?, ROUNDS as u64)?;
+    Ok(vec![
+        (
+            "keys, duplicates each (200 µs apart)",
+            format!("{ROUNDS}, {N}"),
+        ),
+        (
+            "outcomes",
+            format!("{ROUNDS} executed, {replayed_n} replayed, 0 errors"),
+        ),
+        (
+            "effect invocations (committed: one per key)",
             runs.load(Ordering::SeqCst).to_string(),
         ),
     ])
