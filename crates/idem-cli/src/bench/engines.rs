@@ -229,6 +229,39 @@ END;
 $$;
 "#;
 
+    /// Paths (a) and (i): the demo bank's debit in a transaction of its own and, for the
+    /// floor, a finished record of idem's shape inserted before the `COMMIT`.
+    async fn debit_then_record(
+        b: &PgBackend,
+        account: i64,
+        record: Option<[&str; 3]>,
+    ) -> Result<(), DbError> {
+        let mut tx = b.pool().begin().await.map_err(db_error)?;
+        let balance: Option<i64> = sqlx::query_scalar(
+            "UPDATE idem_demo_account SET balance = balance - $2 WHERE account_id = $1 AND balance >= $2 RETURNING balance",
+        )
+        .bind(account)
+        .bind(1_i64)
+        .fetch_optional(&mut *tx)
+        .await
+        .map_err(db_error)?;
+        if let Some(id) = record {
+            sqlx::query(
+                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 VALUES ($1, $2, $3, $4, $5, 0, clock_timestamp(), clock_timestamp() + interval '24 hours')",
+            )
+            .bind(id[0])
+            .bind(id[1])
+            .bind(id[2])
+            .bind(FLOOR_REQUEST)
+            .bind(floor_response(balance))
+            .execute(&mut *tx)
+            .await
+            .map_err(db_error)?;
+        }
+        tx.commit().await.map_err(db_error)
+    }
+
     impl BenchEngine for PgBank {
         const FUNCTION: Option<&'static str> = Some("PL/pgSQL debit_once");
         const NETWORK: bool = true;
@@ -271,16 +304,7 @@ $$;
         }
 
         async fn bare_debit(b: &PgBackend, account: i64) -> Result<(), DbError> {
-            let mut tx = b.pool().begin().await.map_err(db_error)?;
-            let _: Option<i64> = sqlx::query_scalar(
-                "UPDATE idem_demo_account SET balance = balance - $2 WHERE account_id = $1 AND balance >= $2 RETURNING balance",
-            )
-            .bind(account)
-            .bind(1_i64)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error)?;
-            tx.commit().await.map_err(db_error)
+            debit_then_record(b, account, None).await
         }
 
         async fn bare_read(b: &PgBackend, account: i64) -> Result<i64, DbError> {
@@ -292,28 +316,7 @@ $$;
         }
 
         async fn floor_debit(b: &PgBackend, account: i64, id: [&str; 3]) -> Result<(), DbError> {
-            let mut tx = b.pool().begin().await.map_err(db_error)?;
-            let balance: Option<i64> = sqlx::query_scalar(
-                "UPDATE idem_demo_account SET balance = balance - $2 WHERE account_id = $1 AND balance >= $2 RETURNING balance",
-            )
-            .bind(account)
-            .bind(1_i64)
-            .fetch_optional(&mut *tx)
-            .await
-            .map_err(db_error)?;
-            sqlx::query(
-                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
-                 VALUES ($1, $2, $3, $4, $5, 0, clock_timestamp(), clock_timestamp() + interval '24 hours')",
-            )
-            .bind(id[0])
-            .bind(id[1])
-            .bind(id[2])
-            .bind(FLOOR_REQUEST)
-            .bind(floor_response(balance))
-            .execute(&mut *tx)
-            .await
-            .map_err(db_error)?;
-            tx.commit().await.map_err(db_error)
+            debit_then_record(b, account, Some(id)).await
         }
 
         async fn record_read(b: &PgBackend, id: [&str; 3]) -> Result<bool, DbError> {
@@ -458,6 +461,49 @@ END";
     const DIGITS: &str = "(SELECT 0 AS d UNION ALL SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4 \
          UNION ALL SELECT 5 UNION ALL SELECT 6 UNION ALL SELECT 7 UNION ALL SELECT 8 UNION ALL SELECT 9)";
 
+    /// Paths (a) and (i): the demo bank's debit statements in a transaction of their own
+    /// and, for the floor, a finished record of idem's shape inserted before the `COMMIT`.
+    async fn debit_then_record(
+        b: &MysqlBackend,
+        account: i64,
+        record: Option<[&str; 3]>,
+    ) -> Result<(), DbError> {
+        let mut tx = b
+            .pool()
+            .start_transaction(TxOpts::default())
+            .await
+            .map_err(db_error)?;
+        tx.exec_drop(
+            "UPDATE idem_demo_account SET balance = balance - ? WHERE account_id = ? AND balance >= ?",
+            (1_i64, account, 1_i64),
+        )
+        .await
+        .map_err(db_error)?;
+        let balance: Option<i64> = tx
+            .exec_first(
+                "SELECT balance FROM idem_demo_account WHERE account_id = ?",
+                (account,),
+            )
+            .await
+            .map_err(db_error)?;
+        if let Some(id) = record {
+            tx.exec_drop(
+                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 24 HOUR)",
+                (
+                    id[0].as_bytes(),
+                    id[1].as_bytes(),
+                    id[2].as_bytes(),
+                    FLOOR_REQUEST,
+                    floor_response(balance),
+                ),
+            )
+            .await
+            .map_err(db_error)?;
+        }
+        tx.commit().await.map_err(db_error)
+    }
+
     impl BenchEngine for MysqlBank {
         const FUNCTION: Option<&'static str> = Some("stored procedure debit_once");
         const NETWORK: bool = true;
@@ -494,25 +540,7 @@ END";
         }
 
         async fn bare_debit(b: &MysqlBackend, account: i64) -> Result<(), DbError> {
-            let mut tx = b
-                .pool()
-                .start_transaction(TxOpts::default())
-                .await
-                .map_err(db_error)?;
-            tx.exec_drop(
-                "UPDATE idem_demo_account SET balance = balance - ? WHERE account_id = ? AND balance >= ?",
-                (1_i64, account, 1_i64),
-            )
-            .await
-            .map_err(db_error)?;
-            let _: Option<i64> = tx
-                .exec_first(
-                    "SELECT balance FROM idem_demo_account WHERE account_id = ?",
-                    (account,),
-                )
-                .await
-                .map_err(db_error)?;
-            tx.commit().await.map_err(db_error)
+            debit_then_record(b, account, None).await
         }
 
         async fn bare_read(b: &MysqlBackend, account: i64) -> Result<i64, DbError> {
@@ -528,38 +556,7 @@ END";
         }
 
         async fn floor_debit(b: &MysqlBackend, account: i64, id: [&str; 3]) -> Result<(), DbError> {
-            let mut tx = b
-                .pool()
-                .start_transaction(TxOpts::default())
-                .await
-                .map_err(db_error)?;
-            tx.exec_drop(
-                "UPDATE idem_demo_account SET balance = balance - ? WHERE account_id = ? AND balance >= ?",
-                (1_i64, account, 1_i64),
-            )
-            .await
-            .map_err(db_error)?;
-            let balance: Option<i64> = tx
-                .exec_first(
-                    "SELECT balance FROM idem_demo_account WHERE account_id = ?",
-                    (account,),
-                )
-                .await
-                .map_err(db_error)?;
-            tx.exec_drop(
-                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
-                 VALUES (?, ?, ?, ?, ?, 0, UTC_TIMESTAMP(6), UTC_TIMESTAMP(6) + INTERVAL 24 HOUR)",
-                (
-                    id[0].as_bytes(),
-                    id[1].as_bytes(),
-                    id[2].as_bytes(),
-                    FLOOR_REQUEST,
-                    floor_response(balance),
-                ),
-            )
-            .await
-            .map_err(db_error)?;
-            tx.commit().await.map_err(db_error)
+            debit_then_record(b, account, Some(id)).await
         }
 
         async fn record_read(b: &MysqlBackend, id: [&str; 3]) -> Result<bool, DbError> {
@@ -655,6 +652,36 @@ mod sqlite {
         }
     }
 
+    /// Paths (a) and (i): the demo bank's debit in a transaction of its own and, for the
+    /// floor, a finished record of idem's shape inserted before the `COMMIT`.
+    async fn debit_then_record(
+        b: &SqliteBackend,
+        account: i64,
+        record: Option<[String; 3]>,
+    ) -> Result<(), DbError> {
+        b.interact(move |c| {
+            in_transaction(c, |c| {
+                let balance = c
+                    .prepare_cached(
+                        "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance",
+                    )?
+                    .query_row(params![account, 1_i64], |r| r.get::<_, i64>(0))
+                    .optional()?;
+                let Some(id) = record else {
+                    return Ok(());
+                };
+                c.prepare_cached(
+                    "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                     VALUES (?1, ?2, ?3, ?4, ?5, 0, CAST(unixepoch('subsec') * 1000000 AS INTEGER), \
+                     CAST(unixepoch('subsec') * 1000000 AS INTEGER) + 86400000000)",
+                )?
+                .execute(params![id[0], id[1], id[2], FLOOR_REQUEST, floor_response(balance)])
+                .map(drop)
+            })
+        })
+        .await
+    }
+
     impl BenchEngine for SqliteBank {
         const FUNCTION: Option<&'static str> = None;
         const NETWORK: bool = false;
@@ -706,17 +733,7 @@ mod sqlite {
         }
 
         async fn bare_debit(b: &SqliteBackend, account: i64) -> Result<(), DbError> {
-            b.interact(move |c| {
-                in_transaction(c, |c| {
-                    c.prepare_cached(
-                        "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance",
-                    )?
-                    .query_row(params![account, 1_i64], |r| r.get::<_, i64>(0))
-                    .optional()
-                    .map(drop)
-                })
-            })
-            .await
+            debit_then_record(b, account, None).await
         }
 
         async fn bare_read(b: &SqliteBackend, account: i64) -> Result<i64, DbError> {
@@ -732,25 +749,7 @@ mod sqlite {
             account: i64,
             id: [&str; 3],
         ) -> Result<(), DbError> {
-            let id = id.map(str::to_owned);
-            b.interact(move |c| {
-                in_transaction(c, |c| {
-                    let balance = c
-                        .prepare_cached(
-                            "UPDATE idem_demo_account SET balance = balance - ?2 WHERE account_id = ?1 AND balance >= ?2 RETURNING balance",
-                        )?
-                        .query_row(params![account, 1_i64], |r| r.get::<_, i64>(0))
-                        .optional()?;
-                    c.prepare_cached(
-                        "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
-                         VALUES (?1, ?2, ?3, ?4, ?5, 0, CAST(unixepoch('subsec') * 1000000 AS INTEGER), \
-                         CAST(unixepoch('subsec') * 1000000 AS INTEGER) + 86400000000)",
-                    )?
-                    .execute(params![id[0], id[1], id[2], FLOOR_REQUEST, floor_response(balance)])
-                    .map(drop)
-                })
-            })
-            .await
+            debit_then_record(b, account, Some(id.map(str::to_owned))).await
         }
 
         async fn record_read(b: &SqliteBackend, id: [&str; 3]) -> Result<bool, DbError> {
