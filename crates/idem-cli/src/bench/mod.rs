@@ -171,8 +171,8 @@ pub(crate) struct Ratios {
     /// (h)/(a): idem new request with a synchronous effect over the bare debit.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) new_sync_over_bare: Option<f64>,
-    /// (i)/(a): the floor over the bare debit, the highest new ÷ bare that any
-    /// protocol writing the record in the effect's transaction reaches here.
+    /// (i)/(a): the floor over the bare debit: what writing one record row in the
+    /// effect's transaction costs, before any protocol runs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) floor_over_bare: Option<f64>,
     /// (b)/(i): idem new request over the floor: what idem's protocol costs above it.
