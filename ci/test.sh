@@ -243,7 +243,10 @@ if wants sqlite && wants postgres && wants mysql; then
   if brokers; then
     step "broker faults: dead letters, RabbitMQ and NATS restarted, paused and silent (sqlite, postgres, mysql)"
     ensure_broker_binaries
-    cargo test --locked --workspace --all-features --test broker_faults
+    # amqp::queue_deleted_in_flight runs after the static checks (below): under their load
+    # RabbitMQ 3.10 was seen to confirm, and answer a lookup for, a queue whose deletion it
+    # had already answered, which that trial counts as lost (a known gap, docs/reliability.md).
+    cargo test --locked --workspace --all-features --test broker_faults -- --skip amqp::queue_deleted_in_flight
   else
     step "broker faults SKIPPED (IDEM_BROKERS=0)"
   fi
@@ -375,5 +378,10 @@ echo "idem bench on every required engine: ok"
 
 step "the static checks (ci/checks.sh): waiting for them to end"
 finish_checks
+
+if wants sqlite && wants postgres && wants mysql && brokers; then
+  step "broker faults: a queue deleted in flight (amqp::queue_deleted_in_flight), once the static checks are done"
+  cargo test --locked --workspace --all-features --test broker_faults -- --exact amqp::queue_deleted_in_flight
+fi
 
 step "all checks passed"
