@@ -59,8 +59,12 @@ fn give_back(port: u16) {
     taken.retain(|p| *p != port);
 }
 
-/// How long a broker may take to start or stop (a hang guard).
-const START_GUARD: Duration = Duration::from_secs(120);
+/// How long one start of a broker, or a stop, may take (a hang guard). A start that does
+/// not answer in time, or exits, is killed and made once more: the cases test the clients
+/// against a broker that went away and came back, not the broker's own start, and CI saw a
+/// RabbitMQ restart answer nothing for 120 s once in many runs (its output ended at the
+/// first start's banner). Each failed attempt is printed with the server's logs.
+const START_GUARD: Duration = Duration::from_secs(60);
 
 /// A private broker. Dropping it kills the process and removes its directory.
 pub(crate) struct PrivateBroker {
@@ -266,8 +270,27 @@ impl PrivateBroker {
         Ok(cmd)
     }
 
-    /// Starts the broker and waits until it answers its protocol.
+    /// Starts the broker and waits until it answers its protocol; a start that fails is
+    /// killed and made once more (see [`START_GUARD`]).
     pub(crate) async fn start(&mut self) -> Res {
+        let Err(first) = self.start_once().await else {
+            return Ok(());
+        };
+        let first = first.message().unwrap_or("failed").to_owned();
+        println!(
+            "[private broker] port {}: the start failed, killed and made once more: {first}",
+            self.port
+        );
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill().await;
+        }
+        self.start_once().await.map_err(|second| {
+            let second = second.message().unwrap_or("failed");
+            fail(format!("{second}\n(the first attempt: {first})"))
+        })
+    }
+
+    async fn start_once(&mut self) -> Res {
         check(self.child.is_none(), || "already running".into())?;
         let child = self
             .command()?
@@ -277,6 +300,7 @@ impl PrivateBroker {
         let url = self.url();
         let kind = self.kind;
         let mut last = String::new();
+        let began = std::time::Instant::now();
         let ready = tokio::time::timeout(START_GUARD, async {
             loop {
                 if let Some(child) = self.child.as_mut()
@@ -318,13 +342,18 @@ impl PrivateBroker {
             }
         })
         .await;
-        let log = || {
-            let text = std::fs::read_to_string(self.dir.join("server.log")).unwrap_or_default();
-            let lines: Vec<&str> = text.lines().collect();
-            lines[lines.len().saturating_sub(15)..].join("\n")
-        };
+        let log = || self.diagnostics();
         match ready {
-            Ok(Ok(())) => Ok(()),
+            Ok(Ok(())) => {
+                let took = began.elapsed();
+                if took > Duration::from_secs(10) {
+                    println!(
+                        "[private broker] port {} answered after {took:.1?} (slow start)",
+                        self.port
+                    );
+                }
+                Ok(())
+            }
             Ok(Err(why)) => Err(fail(format!(
                 "private broker on port {}: {why}; its log ends:\n{}",
                 self.port,
@@ -336,6 +365,43 @@ impl PrivateBroker {
                 log()
             ))),
         }
+    }
+
+    /// What a failed start shows: the ends of the server's output and, for RabbitMQ, of
+    /// the node's own log (the output stops at the banner; the log goes on through boot),
+    /// and the server process's state.
+    fn diagnostics(&self) -> String {
+        let tail = |path: PathBuf, n: usize| {
+            let text = std::fs::read_to_string(&path)
+                .unwrap_or_else(|e| format!("(cannot read {}: {e})", path.display()));
+            let lines: Vec<&str> = text.lines().collect();
+            format!(
+                "{}:\n{}",
+                path.display(),
+                lines[lines.len().saturating_sub(n)..].join("\n")
+            )
+        };
+        let mut parts = vec![tail(self.dir.join("server.log"), 15)];
+        if self.kind == Kind::Rabbit {
+            parts.push(tail(
+                self.dir
+                    .join("log")
+                    .join(format!("idem-c-{}@localhost.log", self.port)),
+                25,
+            ));
+        }
+        if let Some(pid) = self.child.as_ref().and_then(Child::id) {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .map(|s| {
+                    s.lines()
+                        .filter(|l| l.starts_with("State:") || l.starts_with("Threads:"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .unwrap_or_else(|e| format!("no /proc entry ({e})"));
+            parts.push(format!("process {pid}: {status}"));
+        }
+        parts.join("\n")
     }
 
     /// Stops the broker cleanly (SIGTERM) and waits until it exited; its data stays.
