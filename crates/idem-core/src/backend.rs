@@ -238,7 +238,9 @@ pub trait Backend: Send + Sync + 'static {
 
 /// `idem_sqlite::SqliteBackend` → `sqlite`; a path without the prefix keeps its crate name.
 pub(crate) fn engine_of_type(type_name: &'static str) -> &'static str {
-    let krate = type_name.split("::").next().unwrap_or(type_name);
+    // A `char` pattern: no substring searcher is built on every call (spans and errors
+    // ask for the engine's name per call).
+    let krate = type_name.split(':').next().unwrap_or(type_name);
     krate.strip_prefix("idem_").unwrap_or(krate)
 }
 

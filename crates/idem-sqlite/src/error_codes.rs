@@ -12,6 +12,8 @@ pub const SQLITE_CANTOPEN: i32 = 14;
 pub const SQLITE_CONSTRAINT: i32 = 19;
 /// A DEFERRED transaction's read snapshot went stale before it could write.
 pub const SQLITE_BUSY_SNAPSHOT: i32 = 517;
+/// A NOT NULL constraint failed.
+pub const SQLITE_CONSTRAINT_NOTNULL: i32 = 1299;
 /// A PRIMARY KEY constraint failed.
 pub const SQLITE_CONSTRAINT_PRIMARYKEY: i32 = 1555;
 /// A UNIQUE constraint failed.
@@ -33,6 +35,16 @@ pub fn classify(e: &rusqlite::Error) -> ErrorKind {
         rusqlite::Error::SqliteFailure(f, _) => kind_of(f.extended_code),
         _ => ErrorKind::Other,
     }
+}
+
+/// The completion's window guard: the record's `expires_at` was NULL because its window
+/// ended while the effect ran (`UPSERT_REQUEST`, `UPSERT_MESSAGE`), and nothing else.
+pub fn is_window_guard(e: &rusqlite::Error) -> bool {
+    matches!(
+        e,
+        rusqlite::Error::SqliteFailure(f, Some(message))
+            if f.extended_code == SQLITE_CONSTRAINT_NOTNULL && message.ends_with(".expires_at")
+    )
 }
 
 /// Wraps a rusqlite error, keeping its extended result code.
@@ -93,5 +105,38 @@ mod tests {
             .execute("INSERT INTO t VALUES ('j', 0)", [])
             .unwrap_err();
         assert_eq!(classify(&check), ErrorKind::Other);
+    }
+
+    /// The completion's window guard is told apart from every other failure of the same
+    /// statements: run for real against the migrated tables.
+    #[test]
+    fn window_guard_is_the_expired_completion_only() {
+        let conn = rusqlite::Connection::open_in_memory().unwrap_or_else(|e| panic!("{e}"));
+        for m in crate::MIGRATIONS {
+            conn.execute_batch(m.sql).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let now: i64 = conn
+            .query_row(crate::sql::NOW, [], |r| r.get(0))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let request = |expires_at: i64, response: Option<&str>| {
+            conn.execute(
+                crate::sql::UPSERT_REQUEST,
+                rusqlite::params!["p", "op:v1", "k", "{}", response, 0, now, expires_at],
+            )
+        };
+        let ended = request(now - 1, Some("{}")).unwrap_err();
+        assert!(is_window_guard(&ended), "{ended}");
+        let other = request(now + 60_000_000, None).unwrap_err();
+        assert!(!is_window_guard(&other), "{other}");
+        assert_eq!(request(now + 60_000_000, Some("{}")).ok(), Some(1));
+        let message = |expires_at: i64| {
+            conn.execute(
+                crate::sql::UPSERT_MESSAGE,
+                rusqlite::params!["s", "m", None::<String>, now, expires_at],
+            )
+        };
+        let ended = message(now - 1).unwrap_err();
+        assert!(is_window_guard(&ended), "{ended}");
+        assert_eq!(message(now + 60_000_000).ok(), Some(1));
     }
 }

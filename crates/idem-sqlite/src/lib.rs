@@ -579,6 +579,19 @@ fn micros(d: Duration) -> i64 {
     i64::try_from(d.as_micros()).unwrap_or(i64::MAX)
 }
 
+/// Runs one of the claim's fixed statements (`BEGIN IMMEDIATE`, `COMMIT`) from the
+/// connection's statement cache, like [`read_clock`].
+fn run_cached(conn: &Connection, statement: &str) -> rusqlite::Result<()> {
+    conn.prepare_cached(statement)?.execute([]).map(drop)
+}
+
+/// The database clock ([`sql::NOW`]), from the connection's statement cache: parsed once
+/// per connection, not on every claim (a new request's claim reads it once).
+fn read_clock(conn: &Connection) -> rusqlite::Result<i64> {
+    conn.prepare_cached(sql::NOW)?
+        .query_row([], |r| r.get::<_, i64>(0))
+}
+
 fn read_record(conn: &Connection, claim: &ClaimOwned) -> Result<Option<Stored>, DbError> {
     match &claim.id {
         IdOwned::Request {
@@ -764,15 +777,11 @@ impl ClaimSteps for SqliteClaim<'_> {
                 }
                 // The wait for the write lock is bounded by the claim's wait.
                 c.busy_timeout(busy_timeout).map_err(db_error)?;
-                let begun = c.execute_batch(sql::BEGIN_IMMEDIATE);
+                let begun = run_cached(c, sql::BEGIN_IMMEDIATE);
                 c.busy_timeout(configured).map_err(db_error)?;
                 begun.map_err(db_error)?;
-                let read = read_record(c, &owned).and_then(|found| {
-                    let now = c
-                        .query_row(sql::NOW, [], |r| r.get::<_, i64>(0))
-                        .map_err(db_error)?;
-                    Ok(Opened::Begun(found, now))
-                });
+                let read = read_record(c, &owned)
+                    .and_then(|found| Ok(Opened::Begun(found, read_clock(c).map_err(db_error)?)));
                 if read.is_err() {
                     let _ = c.execute_batch(sql::ROLLBACK);
                 }
@@ -821,11 +830,7 @@ impl ClaimSteps for SqliteClaim<'_> {
 
     async fn ready(&self, open: &mut SqliteOpen, _claim: &Claim<'_>) -> Result<(), DbError> {
         if open.claimed_at.is_none() {
-            let now = open
-                .lease
-                .run(|c| c.query_row(sql::NOW, [], |r| r.get::<_, i64>(0)))
-                .await
-                .map_err(db_error)?;
+            let now = open.lease.run(read_clock).await.map_err(db_error)?;
             open.claimed_at = Some(now);
         }
         Ok(())
@@ -940,8 +945,9 @@ impl Backend for SqliteBackend {
                     }),
                 };
                 let committed = match written {
-                    Ok(1) => c.execute_batch(sql::COMMIT).map_err(db_error),
+                    Ok(1) => run_cached(c, sql::COMMIT).map_err(db_error),
                     Ok(_) => Err(expired_during_effect()),
+                    Err(e) if error_codes::is_window_guard(&e) => Err(expired_during_effect()),
                     Err(e) => Err(db_error(e)),
                 };
                 if committed.is_err() && !c.is_autocommit() {
