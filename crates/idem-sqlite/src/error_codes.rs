@@ -12,8 +12,8 @@ pub const SQLITE_CANTOPEN: i32 = 14;
 pub const SQLITE_CONSTRAINT: i32 = 19;
 /// A DEFERRED transaction's read snapshot went stale before it could write.
 pub const SQLITE_BUSY_SNAPSHOT: i32 = 517;
-/// A NOT NULL constraint failed.
-pub const SQLITE_CONSTRAINT_NOTNULL: i32 = 1299;
+/// A value of the wrong type for a `STRICT` table's column.
+pub const SQLITE_CONSTRAINT_DATATYPE: i32 = 3091;
 /// A PRIMARY KEY constraint failed.
 pub const SQLITE_CONSTRAINT_PRIMARYKEY: i32 = 1555;
 /// A UNIQUE constraint failed.
@@ -37,14 +37,13 @@ pub fn classify(e: &rusqlite::Error) -> ErrorKind {
     }
 }
 
-/// The completion's window guard: the record's `expires_at` was NULL because its window
-/// ended while the effect ran (`UPSERT_REQUEST`, `UPSERT_MESSAGE`), and nothing else.
+/// The completion's window guard: the record's `expires_at` was the text `'ended'`
+/// because its window ended while the effect ran (`UPSERT_REQUEST`, `UPSERT_MESSAGE`).
+/// By code alone: every other value those statements bind has its column's type (Rust
+/// strings for `TEXT`, integers for `INTEGER`, or NULL), so in them only the guard can
+/// raise `SQLITE_CONSTRAINT_DATATYPE`.
 pub fn is_window_guard(e: &rusqlite::Error) -> bool {
-    matches!(
-        e,
-        rusqlite::Error::SqliteFailure(f, Some(message))
-            if f.extended_code == SQLITE_CONSTRAINT_NOTNULL && message.ends_with(".expires_at")
-    )
+    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.extended_code == SQLITE_CONSTRAINT_DATATYPE)
 }
 
 /// Wraps a rusqlite error, keeping its extended result code.

@@ -946,7 +946,12 @@ impl Backend for SqliteBackend {
                 };
                 let committed = match written {
                     Ok(1) => run_cached(c, sql::COMMIT).map_err(db_error),
-                    Ok(_) => Err(expired_during_effect()),
+                    // A single-row upsert with no condition on its update writes one row.
+                    Ok(n) => Err(DbError::new(
+                        ENGINE,
+                        ErrorKind::Other,
+                        format!("internal: the completion wrote {n} rows instead of one"),
+                    )),
                     Err(e) if error_codes::is_window_guard(&e) => Err(expired_during_effect()),
                     Err(e) => Err(db_error(e)),
                 };

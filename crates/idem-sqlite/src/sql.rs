@@ -32,8 +32,9 @@ pub(crate) const SELECT_MESSAGE: &str = concat!(
 /// Written once, with the final response, while `BEGIN IMMEDIATE` holds the write
 /// lock. The conflict branch replaces an expired record only: the claim saw no live one.
 /// When the record's own window (from the claim) already ended while the effect ran,
-/// its `expires_at` is NULL and the statement fails its `NOT NULL` constraint
-/// ([`crate::error_codes::is_window_guard`]): nothing is written. A single-row `VALUES`
+/// its `expires_at` is the text `'ended'`, which the `STRICT` table refuses for an
+/// `INTEGER` column (`SQLITE_CONSTRAINT_DATATYPE`, which no other value bound here can
+/// raise: [`crate::error_codes::is_window_guard`]): nothing is written. A single-row `VALUES`
 /// (not `INSERT … SELECT … WHERE`, which opens a statement journal and copies the pages
 /// it changes into it). Params: principal, operation, key, request, response, status,
 /// claimed at (µs), expires at (µs).
@@ -41,7 +42,7 @@ pub(crate) const UPSERT_REQUEST: &str = concat!(
     "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) ",
     "VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, CASE WHEN ?8 > ",
     now_us!(),
-    " THEN ?8 END) ON CONFLICT (principal, operation, request_key) DO UPDATE SET ",
+    " THEN ?8 ELSE 'ended' END) ON CONFLICT (principal, operation, request_key) DO UPDATE SET ",
     "request = excluded.request, response = excluded.response, status = excluded.status, ",
     "created_at = excluded.created_at, expires_at = excluded.expires_at"
 );
@@ -52,7 +53,7 @@ pub(crate) const UPSERT_MESSAGE: &str = concat!(
     "INSERT INTO idem_processed_message (subscriber, message_id, fingerprint, processed_at, expires_at) ",
     "VALUES (?1, ?2, ?3, ?4, CASE WHEN ?5 > ",
     now_us!(),
-    " THEN ?5 END) ON CONFLICT (subscriber, message_id) DO UPDATE SET ",
+    " THEN ?5 ELSE 'ended' END) ON CONFLICT (subscriber, message_id) DO UPDATE SET ",
     "fingerprint = excluded.fingerprint, processed_at = excluded.processed_at, expires_at = excluded.expires_at"
 );
 

@@ -284,7 +284,7 @@ async fn only_the_same_identity_is_in_flight() {
         .unwrap();
     let short = idem
         .clone()
-        .with_wait_timeout(Duration::from_millis(200))
+        .with_wait_timeout(Duration::from_secs(1))
         .with_retry(idem_core::RetryPolicy {
             max_attempts: 1,
             ..idem_core::RetryPolicy::default()
@@ -362,4 +362,66 @@ async fn the_record_tables_carry_only_the_indexes_idem_reads() {
             "idem_request_result_expires_at",
         ]
     );
+}
+
+/// An effect that writes a row, then outlives a 1 s record window (the shortest allowed).
+fn slow(
+    tx: &mut idem_sqlite::SqliteTx,
+) -> idem_core::BoxFuture<'_, Result<i64, rusqlite_error::E>> {
+    Box::pin(async move {
+        tx.run(|c| c.execute("INSERT INTO t VALUES (5)", []))
+            .await?;
+        tokio::time::sleep(Duration::from_millis(1600)).await;
+        Ok(5)
+    })
+}
+
+/// A record whose window ends while its effect runs is refused at completion with the
+/// error that says so (the upsert's window guard), for a request and for a message: the
+/// effect's row is rolled back and no record is written. The effects sleep past a 1 s
+/// window (the fault), nothing is timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_expiring_during_its_effect_is_refused() {
+    let (backend, idem) = memory().await;
+    let short = Scope::new(
+        Principal::new("p").unwrap(),
+        Operation::new("short", 1)
+            .unwrap()
+            .with_retention(Duration::from_secs(1)),
+    );
+    let out = idem
+        .execute(&short, &Key::new("slow").unwrap(), &request(), slow)
+        .await;
+    let refused = |what: &str, out: String| {
+        assert!(
+            out.contains("the record expired before the effect finished"),
+            "{what}: {out}"
+        );
+    };
+    refused("request", format!("{:?}", out.map_err(|e| e.to_string())));
+    let messages = idem.clone().with_message_retention(Duration::from_secs(1));
+    let consumed = messages
+        .consume(
+            &idem_core::Subscriber::new("s").unwrap(),
+            &idem_core::MessageId::new("m").unwrap(),
+            None,
+            slow,
+        )
+        .await;
+    refused(
+        "message",
+        format!("{:?}", consumed.map_err(|e| e.to_string())),
+    );
+    let (records, messages): (i64, i64) = backend
+        .interact(|c| {
+            c.query_row(
+                "SELECT (SELECT count(*) FROM idem_request_result), (SELECT count(*) FROM idem_processed_message)",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+        })
+        .await
+        .unwrap();
+    assert_eq!((records, messages), (1, 0), "only the record `kept`");
+    assert_intact(&backend, &idem).await;
 }
