@@ -14,7 +14,11 @@
 //!   classified as [`ErrorKind::Deadlock`](idem_core::ErrorKind::Deadlock), so idem
 //!   retries the whole transaction with the same key; the retry finds the winner's
 //!   record and replays it. The primary key still decides, cluster-wide, at
-//!   certification instead of at the lock.
+//!   certification instead of at the lock. Rarely the server does not report a
+//!   brute-force abort between the effect's last statement and idem's completion:
+//!   idem's pre-commit check finds the transaction gone, rolls back, stores nothing and
+//!   returns an error that says so (never a success); nothing of that call committed,
+//!   and the client retries it with the same key, as after any error.
 //! - **A node that is not part of the primary component** (cut off, or still joining)
 //!   refuses statements with **1047**
 //!   ([`ER_UNKNOWN_COM_ERROR`](crate::error_codes::ER_UNKNOWN_COM_ERROR), "WSREP has

@@ -686,6 +686,20 @@ fn lost_transaction() -> DbError {
     )
 }
 
+/// [`lost_transaction`] on a Galera node, where a replicated write set can also abort
+/// the transaction between two statements without the server reporting it.
+fn lost_transaction_on_galera() -> DbError {
+    DbError::new(
+        ENGINE,
+        ErrorKind::Other,
+        "the idem transaction ended inside the effect (on Galera, a replicated write set \
+         that aborted it between two statements, a brute-force abort; or a deadlock 1213 \
+         the effect swallowed, or COMMIT, ROLLBACK or DDL run by the effect); idem rolled \
+         back what was left and stored no record; after a brute-force abort nothing of the \
+         call committed: retry with the same key",
+    )
+}
+
 /// Rolls back after a failure and returns the failure.
 async fn abort(tx: MysqlTx, e: DbError) -> DbError {
     // The first error is the one that matters; a connection whose ROLLBACK failed is
@@ -1167,8 +1181,13 @@ impl Backend for MysqlBackend {
                 Err(e) => return Err(abort(tx, db_error(e)).await),
             }
         };
+        let lost = if server.galera {
+            lost_transaction_on_galera
+        } else {
+            lost_transaction
+        };
         if !in_transaction(&tx) {
-            return Err(abort(tx, lost_transaction()).await);
+            return Err(abort(tx, lost()).await);
         }
         // Whether the record expired while the effect ran (then nothing may commit: a
         // waiting loser would take the committed record over and run the effect again).
@@ -1188,7 +1207,7 @@ impl Backend for MysqlBackend {
             return Err(abort(tx, expired_during_effect()).await);
         }
         if !intact || expired.is_none() {
-            return Err(abort(tx, lost_transaction()).await);
+            return Err(abort(tx, lost()).await);
         }
         tx.commit().await
     }
