@@ -456,7 +456,9 @@ async fn lagging_node_fast_path(c: Cluster) -> Result<String, String> {
         for i in 0..ROUNDS {
             for causal_read in [false, true] {
                 let key = format!("lag-{i}-{causal_read}");
-                let first = debit(&f.nodes[0], &f.stats, &key, 1, 1).await.map_err(err)?;
+                let first = debit_retrying(&f.nodes[0], &f.stats, &key, 1, 1)
+                    .await
+                    .map_err(err)?;
                 let key = Key::new(key.as_str()).map_err(err)?;
                 let text = request(1, 1).to_json();
                 let claim = Claim {
@@ -479,8 +481,13 @@ async fn lagging_node_fast_path(c: Cluster) -> Result<String, String> {
                     plain_time += took;
                     plain_misses += usize::from(found.is_none());
                 }
-                // Whatever the fast path saw, the full call on node 2 replays.
-                let again = debit(&f.nodes[1], &f.stats, key.as_str(), 1, 1)
+                // Whatever the fast path saw, the full call on node 2 replays. Both calls
+                // retry an error with the same key, as a client does and as every other
+                // test here does: a replicated write set can abort a transaction between
+                // two statements without the server reporting it (a brute-force abort,
+                // docs/scale-out.md); idem's pre-commit check then fails the call and
+                // nothing of it commits. CI met one in this test on 2026-12-05.
+                let again = debit_retrying(&f.nodes[1], &f.stats, key.as_str(), 1, 1)
                     .await
                     .map_err(err)?;
                 if !again.is_replayed() || again.response() != first.response() {
@@ -496,14 +503,69 @@ async fn lagging_node_fast_path(c: Cluster) -> Result<String, String> {
             "fast path on node 2 right after node 1 committed, {ROUNDS} rounds each: \
              wsrep_sync_wait = 0 missed {plain_misses} (mean lookup {} µs), wsrep_sync_wait = 1 \
              missed {causal_misses} (mean lookup {} µs); every following call on node 2 replayed the stored \
-             response; {}",
+             response; {}; {}",
             micros(plain_time),
             micros(causal_time),
-            f.stats.line()
+            f.stats.line(),
+            client_retries()
         ))
     }
     .await;
     let _ = causal.disconnect().await;
+    f.close(None).await;
+    check
+}
+
+/// An effect that ends idem's transaction on a Galera node (here a `ROLLBACK`, which
+/// leaves the session as an unreported brute-force abort does: no transaction, later
+/// statements autocommitted) is refused before anything is stored, with an error that
+/// names the brute-force abort and says a retry with the same key is safe after one;
+/// the call's debit is gone, no record exists on any node, and a retry executes once.
+async fn transaction_ended_inside_effect(c: Cluster) -> Result<String, String> {
+    let f = Fixture::new(&c, "g_end", 1, 1_000).await?;
+    let check = async {
+        let key = Key::new("ended-inside").map_err(err)?;
+        let out: Res = f.nodes[0]
+            .execute(&scope(), &key, &request(1, 7), |tx| {
+                Box::pin(async move {
+                    let balance = MysqlBank::debit(tx, 1, 7).await?;
+                    tx.query_drop("ROLLBACK")
+                        .await
+                        .map_err(|e| BankError::Db(idem::mysql::error_codes::db_error(e)))?;
+                    Ok(balance)
+                })
+            })
+            .await;
+        let message = match &out {
+            Err(Error::Backend(e)) => e.to_string(),
+            other => return Err(format!("expected the backend's refusal, got {other:?}")),
+        };
+        for part in ["ended inside the effect", "brute-force abort", "retry with the same key"] {
+            if !message.contains(part) {
+                return Err(format!("the refusal does not say {part:?}: {message}"));
+            }
+        }
+        for node in 0..3 {
+            if f.totals(node).await? != (1_000, 0) {
+                return Err(format!(
+                    "node {}: expected balance 1000 and no record after the refusal, got {:?}",
+                    node + 1,
+                    f.totals(node).await?
+                ));
+            }
+        }
+        let again = debit(&f.nodes[0], &f.stats, key.as_str(), 1, 7)
+            .await
+            .map_err(err)?;
+        if again.is_replayed() || again.response().balance != 993 {
+            return Err(format!("the retry should execute once (993), got {again:?}"));
+        }
+        Ok(format!(
+            "an effect that ended the transaction (ROLLBACK, then autocommit) was refused with \"{message}\"; \
+             balance 1000 and no record on all 3 nodes; the retry with the same key executed once"
+        ))
+    }
+    .await;
     f.close(None).await;
     check
 }
@@ -666,7 +728,7 @@ fn main() -> ExitCode {
             .build()
             .unwrap(),
     );
-    let steps: [(&str, Step, u64); 5] = [
+    let steps: [(&str, Step, u64); 6] = [
         (
             "cluster_has_three_nodes",
             |c| Box::pin(cluster_has_three_nodes(c)),
@@ -686,6 +748,11 @@ fn main() -> ExitCode {
             "lagging_node_fast_path",
             |c| Box::pin(lagging_node_fast_path(c)),
             300,
+        ),
+        (
+            "transaction_ended_inside_effect",
+            |c| Box::pin(transaction_ended_inside_effect(c)),
+            120,
         ),
         (
             "node_killed_mid_storm",
