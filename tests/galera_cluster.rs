@@ -1,6 +1,6 @@
 //! Exactly-once across a 3-node MariaDB Galera cluster: cross-node storms, certification
-//! failures retried with the same key, the replay fast path on a lagging node, and a
-//! node killed (SIGKILL) mid-storm.
+//! failures retried with the same key, the replay fast path on a lagging node, an
+//! effect that ends idem's transaction, and a node killed (SIGKILL) mid-storm.
 //!
 //! Run it through `ci/galera.sh run cargo test -p idem-tests --features cluster,mysql
 //! --test galera_cluster`: the script starts the private cluster and sets
