@@ -194,7 +194,7 @@ mod postgres {
 
     use idem::core::BoxFuture;
     use idem::postgres::sqlx::postgres::PgConnectOptions;
-    use idem::postgres::sqlx::{self, Row};
+    use idem::postgres::sqlx::{self, Connection, Row};
     use idem::postgres::{PgBackend, PgTx, db_error};
     use idem_conformance::Bank;
     use idem_conformance::postgres::PgBank;
@@ -346,10 +346,24 @@ mod postgres {
 
         async fn kill(&self, session: i64) -> Result<(), DbError> {
             let pid = i32::try_from(session).map_err(|_| fault("pid out of range"))?;
+            let pool = self.backend().pool();
+            let mut conn = pool.acquire().await.map_err(db_error)?;
+            let own: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(db_error)?;
+            if own == pid {
+                // The session finished its call first (a race round) and went back to
+                // the pool, where this control connection picked it up:
+                // pg_terminate_backend would end the control connection itself (57P01).
+                // End it by disconnecting, then watch for it from another connection.
+                conn.detach().close().await.map_err(db_error)?;
+                return until_gone(pool, pid).await;
+            }
             // Waits (up to 5 s) until the backend is gone, so the kill has landed.
             let killed: bool = sqlx::query_scalar("SELECT pg_terminate_backend($1, 5000)")
                 .bind(pid)
-                .fetch_one(self.backend().pool())
+                .fetch_one(&mut *conn)
                 .await
                 .map_err(db_error)?;
             if killed {
@@ -396,6 +410,23 @@ mod postgres {
             .map_err(db_error)?;
             Ok(waiting == Some(true))
         }
+    }
+
+    /// Waits (up to 5 s) until backend `pid` has left `pg_stat_activity`.
+    async fn until_gone(pool: &sqlx::PgPool, pid: i32) -> Result<(), DbError> {
+        for _ in 0..500 {
+            let present: bool =
+                sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)")
+                    .bind(pid)
+                    .fetch_one(pool)
+                    .await
+                    .map_err(db_error)?;
+            if !present {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Err(fault(format!("backend {pid} survived its disconnect")))
     }
 }
 
