@@ -351,7 +351,7 @@ IDEM_ENGINES="$IDEM_ENGINES" IDEM_BROKERS="$IDEM_BROKERS" ci/examples.sh
 step "criterion benchmarks in test mode (each benchmark once, nothing timed)"
 cargo test --locked --workspace --all-features --bench "*"
 
-step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation)"
+step "idem bench: a short smoke run per engine (every path once per cell; fails on any failed operation), and the growth mode's fill and purge"
 bench_dir=$(mktemp -d)
 trap 'rm -rf "$demo_dir" "$bench_dir"; on_exit' EXIT
 smoke=(bench --clients 1,2 --duration 200ms --rounds 1)
@@ -367,6 +367,17 @@ if wants mysql; then
 fi
 "$idem" bench --chart-only --svg "$bench_dir/chart.svg" "${charted[@]}" >/dev/null
 grep -q "<svg" "$bench_dir/chart.svg"
+# The growth mode on its smallest fill (100 000 expired records): it fails unless the
+# purge removes exactly the records it filled.
+growth=(bench --clients 2 --duration 200ms --growth 1)
+(cd "$bench_dir" && "$idem" --url sqlite://growth.db "${growth[@]}" | grep "^purge of 100000 expired records")
+rm -f "$bench_dir"/growth.db*
+if wants postgres; then
+  "$idem" --url "$IDEM_POSTGRES_URL" "${growth[@]}" | grep "^purge of 100000 expired records"
+fi
+if wants mysql; then
+  "$idem" --url "$IDEM_MYSQL_URL" "${growth[@]}" | grep "^purge of 100000 expired records"
+fi
 rm -f "$bench_dir"/*.json "$bench_dir"/chart.svg
 if [ -n "$(ls -A "$bench_dir")" ]; then
   echo "idem bench left files behind: $(ls -A "$bench_dir")" >&2

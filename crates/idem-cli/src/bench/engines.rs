@@ -137,7 +137,9 @@ pub(crate) trait BenchEngine: Bank {
     ) -> impl Future<Output = Result<(), DbError>> + Send;
 
     /// Inserts `FILL_CHUNK` typical request records (rows `from..from + FILL_CHUNK`),
-    /// created two days ago.
+    /// created two days ago with the default retention of 24 hours: expired one day ago.
+    /// `expires_at` is set explicitly: its column default (PostgreSQL: the clock + 24
+    /// hours; SQLite: 0; MySQL/MariaDB: none) is not what idem writes.
     fn fill_expired(b: &Self::B, from: u64) -> impl Future<Output = Result<(), DbError>> + Send;
 
     /// Bytes the request table uses, table plus indexes, as the engine reports it.
@@ -364,9 +366,10 @@ $$;
             let from = i64::try_from(from).unwrap_or(i64::MAX);
             let to = from + i64::try_from(FILL_CHUNK).unwrap_or(0) - 1;
             sqlx::query(
-                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) \
-                 SELECT 'account-' || (g % 1000), 'debit:v1', gen_random_uuid()::text, $3::jsonb, $4::jsonb, 0, \
-                 clock_timestamp() - interval '2 days' FROM generate_series($1::bigint, $2::bigint) AS g",
+                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 SELECT 'account-' || (g % 1000), 'debit:v1', gen_random_uuid()::text, $3, $4, 0, \
+                 t - interval '2 days', t - interval '1 day' \
+                 FROM generate_series($1::bigint, $2::bigint) AS g, clock_timestamp() AS t",
             )
             .bind(from)
             .bind(to)
@@ -596,8 +599,9 @@ END";
         async fn fill_expired(b: &MysqlBackend, from: u64) -> Result<(), DbError> {
             let mut conn = b.pool().get_conn().await.map_err(db_error)?;
             let sql = format!(
-                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) \
-                 SELECT CONCAT('account-', (? + n) % 1000), 'debit:v1', UUID(), ?, ?, 0, UTC_TIMESTAMP(6) - INTERVAL 2 DAY \
+                "INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
+                 SELECT CONCAT('account-', (? + n) % 1000), 'debit:v1', UUID(), ?, ?, 0, \
+                 UTC_TIMESTAMP(6) - INTERVAL 2 DAY, UTC_TIMESTAMP(6) - INTERVAL 1 DAY \
                  FROM (SELECT a.d + 10 * b.d + 100 * c.d + 1000 * e.d + 10000 * f.d AS n \
                  FROM {DIGITS} a, {DIGITS} b, {DIGITS} c, {DIGITS} e, {DIGITS} f) AS g WHERE n < ?"
             );
@@ -796,9 +800,10 @@ mod sqlite {
                 in_transaction(c, |c| {
                     c.execute(
                         "WITH RECURSIVE g(n) AS (SELECT ?1 UNION ALL SELECT n + 1 FROM g WHERE n + 1 < ?1 + ?2) \
-                         INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at) \
+                         INSERT INTO idem_request_result (principal, operation, request_key, request, response, status, created_at, expires_at) \
                          SELECT 'account-' || (n % 1000), 'debit:v1', lower(hex(randomblob(16))), ?3, ?4, 0, \
-                         CAST(unixepoch('subsec') * 1000000 AS INTEGER) - 172800000000 FROM g",
+                         t - 172800000000, t - 86400000000 \
+                         FROM g, (SELECT CAST(unixepoch('subsec') * 1000000 AS INTEGER) AS t)",
                         params![from, count, TYPICAL_REQUEST, TYPICAL_RESPONSE],
                     )
                     .map(drop)

@@ -85,6 +85,15 @@ pub(super) async fn run<K: BenchEngine>(
         Err(e) => return Err(Fail::new(1, format!("the purge task failed: {e}"))),
     };
     bar.finish_and_clear();
+    if purged != records {
+        return Err(Fail::new(
+            1,
+            format!(
+                "the purge removed {purged} of the {records} expired records the bench filled \
+                 (the fill and the purge disagree on what has expired)"
+            ),
+        ));
+    }
     for s in [&alone, &during] {
         if let Some(e) = &s.first_error {
             return Err(Fail::new(1, format!("a new request failed: {e}")));
