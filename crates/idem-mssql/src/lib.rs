@@ -920,6 +920,18 @@ mod tests {
 
     use super::*;
 
+    /// deadpool's checkout future holds tiberius's connect path (about 55 KiB); awaited in
+    /// place it made every future above it at least as large, `Idem::execute`'s included,
+    /// moved several times per call. `Pool::acquire` boxes it. No server: nothing here
+    /// is polled.
+    #[tokio::test]
+    async fn checkout_future_is_boxed() {
+        let options = MssqlOptions::parse("mssql://sa:unused@127.0.0.1:1/master").unwrap();
+        let pool = Pool::new(options).unwrap();
+        let checkout = std::mem::size_of_val(&pool.acquire());
+        assert!(checkout <= 64, "Pool::acquire's future is {checkout} bytes");
+    }
+
     #[test]
     fn retention_splits_into_dateadd_ints() {
         assert_eq!(cutoff_parts(Duration::from_millis(400)), (0, 0, 400_000));

@@ -547,7 +547,7 @@ impl ClaimSteps for PgClaim<'_> {
         let held = self.conn.lock().ok().and_then(|mut c| c.take());
         let mut conn = match held {
             Some(conn) => conn,
-            None => self.backend.pool.acquire().await.map_err(db_error)?,
+            None => tx::checkout(&self.backend.pool).await?,
         };
         self.backend.flavor(&mut conn).await?;
         if self.backend.key_lock() {
@@ -873,7 +873,7 @@ impl Backend for PgBackend {
     type Tx = PgTx;
 
     async fn lookup(&self, claim: &Claim<'_>) -> Result<Option<Stored>, DbError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error)?;
+        let mut conn = tx::checkout(&self.pool).await?;
         Self::lookup_on(&mut conn, claim).await
     }
 
@@ -887,7 +887,7 @@ impl Backend for PgBackend {
 
     /// The fast path's read and, when it finds nothing, the claim, on one connection.
     async fn lookup_or_claim(&self, claim: &Claim<'_>) -> Result<Claimed<PgTx>, DbError> {
-        let mut conn = self.pool.acquire().await.map_err(db_error)?;
+        let mut conn = tx::checkout(&self.pool).await?;
         if let Some(stored) = Self::lookup_on(&mut conn, claim).await? {
             return Ok(Claimed::Found(stored));
         }

@@ -20,7 +20,7 @@ use idem_core::runs::{
 };
 use idem_core::{DbError, Key, OutboxStore, RunStore, Scope, Status};
 
-use crate::{PgBackend, PgTx, db_error, secs, sql};
+use crate::{PgBackend, PgTx, db_error, secs, sql, tx};
 
 type RunColumns = (
     String,
@@ -38,11 +38,11 @@ impl RunStore for PgBackend {
     async fn begin_runs(&self, wait: Option<Duration>) -> Result<PgTx, DbError> {
         match wait {
             Some(wait) => {
-                let conn = self.pool().acquire().await.map_err(db_error)?;
+                let conn = tx::checkout(self.pool()).await?;
                 self.begin_bounded_on(conn, wait, sql::begin_bounded).await
             }
             None => {
-                let conn = self.pool().acquire().await.map_err(db_error)?;
+                let conn = tx::checkout(self.pool()).await?;
                 PgTx::open(conn, None).await
             }
         }
