@@ -921,9 +921,8 @@ mod tests {
     use super::*;
 
     /// deadpool's checkout future holds tiberius's connect path (about 55 KiB); awaited in
-    /// place it made every future above it at least as large, `Idem::execute`'s included,
-    /// moved several times per call. `Pool::acquire` boxes it. No server: nothing here
-    /// is polled.
+    /// place it made every future above it at least as large, `Idem::execute`'s included.
+    /// `Pool::acquire` boxes it. No server: nothing here is polled.
     #[tokio::test]
     async fn checkout_future_is_boxed() {
         let options = MssqlOptions::parse("mssql://sa:unused@127.0.0.1:1/master").unwrap();
