@@ -14,9 +14,9 @@ use crate::db_error;
 /// A connection from `pool`, for a call of idem's. sqlx's checkout future is large (about
 /// 8.5 KiB in a release build of sqlx 0.9: it holds the pool's whole connect path), and a
 /// future that awaits it in place carries that size through every layer above it:
-/// `Idem::execute`'s future was 19.4 KiB, and the protocol copied futures of about 9.8 KB
-/// three times per call. Boxed, it is one allocation per checkout, and `execute`'s future
-/// is about 4 KiB (`tests/future_size.rs`).
+/// `Idem::execute`'s future was 19.4 KiB, and the protocol copied futures of about 9 800
+/// bytes three times per call. Boxed, it is one allocation per checkout, and `execute`'s
+/// future is about 4 KiB (`tests/future_size.rs`).
 pub(crate) async fn checkout(pool: &sqlx::PgPool) -> Result<PoolConnection<Postgres>, DbError> {
     Box::pin(pool.acquire()).await.map_err(db_error)
 }

@@ -1,10 +1,10 @@
 //! The size of idem's futures over PostgreSQL. No server: the pool connects lazily and
 //! nothing here is polled. sqlx's checkout future is about 8.5 KiB in a release build (it
 //! holds the pool's whole connect path); awaited in place, it made `Idem::execute`'s
-//! future 19.4 KiB, and the protocol copied futures of about 9.8 KB three times per call
-//! (docs/performance.md, thirteenth round). idem-postgres boxes it: `execute`'s future is
-//! then about 4 KiB in release and debug builds alike (7.5 KiB in a debug build without
-//! the box, whose checkout future is smaller).
+//! future 19.4 KiB, and the protocol copied futures of about 9 800 bytes three times per
+//! call (docs/performance.md, thirteenth round). idem-postgres boxes it: `execute`'s
+//! future is then about 4 KiB in release and debug builds alike (7.5 KiB in a debug build
+//! without the box, whose checkout future is smaller).
 
 #![allow(clippy::unwrap_used)] // test setup: fail loudly
 
