@@ -203,16 +203,20 @@ impl Pool {
     /// most the acquire timeout for a free slot. deadpool's checkout future holds
     /// tiberius's whole connect path (about 55 KiB); boxed, it is one allocation per
     /// checkout instead of that size in every future above it, `Idem::execute`'s
-    /// included (`tests::checkout_future_is_boxed` in `lib.rs`).
+    /// included (`tests::checkout_future_is_boxed` in `lib.rs`). It is built in the box
+    /// (`Box::write` into an uninitialized one): `Box::pin` built it on the stack and
+    /// copied all of it into the heap on every checkout.
     pub(crate) async fn acquire(&self) -> Result<Lease, DbError> {
-        match Box::pin(self.pool.get()).await {
+        let checkout = Box::into_pin(Box::write(Box::new_uninit(), self.pool.get()));
+        match checkout.await {
             Ok(obj) => Ok(Lease { obj }),
             Err(PoolError::Backend(e)) => Err(e),
             Err(PoolError::Timeout(_)) => Err(DbError::new(
                 ENGINE,
                 ErrorKind::Connection,
                 format!(
-                    "no pooled connection to {} became free within {:?} (the acquire timeout;                      max_connections {}); raise max_connections or acquire_timeout",
+                    "no pooled connection to {} became free within {:?} (the acquire timeout; \
+                     max_connections {}); raise max_connections or acquire_timeout",
                     self.options.addr(),
                     self.options.acquire_timeout,
                     self.options.max_connections
