@@ -346,7 +346,11 @@ impl<B: Backend> Idem<B> {
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<R, E>> + Send,
     {
         let call = self.request_call(CallKind::Execute, scope, key);
-        let run = async move {
+        // Each call awaits its future where it builds it. Kept in a local, or handed to an
+        // `async fn` that awaits it, the future would be stored again beside the one that
+        // awaits it: `execute`'s future was three times its size that way
+        // (`crates/idem/tests/future_sizes.rs`).
+        let result = async move {
             let done = self
                 .run_request::<R, Never, E, M, _>(scope, key, request, |tx| {
                     let fut = effect(tx);
@@ -363,8 +367,11 @@ impl<B: Backend> Idem<B> {
                     serde_json::from_str(&text).map_err(Error::Decode)?,
                 )),
             }
-        };
-        observed(call, run, Outcome::observed).await
+        }
+        .instrument(call.span())
+        .await;
+        call.finish_with(&result, Outcome::observed);
+        result
     }
 
     /// Like [`Idem::execute`], with the explicit policy of storing final business
@@ -385,7 +392,7 @@ impl<B: Backend> Idem<B> {
         F: for<'t> FnMut(&'t mut B::Tx) -> BoxFuture<'t, Result<Result<R, J>, E>> + Send,
     {
         let call = self.request_call(CallKind::ExecuteFinal, scope, key);
-        let run = async move {
+        let result = async move {
             match self.run_request(scope, key, request, effect).await? {
                 Done::Executed(r) => Ok(Outcome::Executed(r)),
                 Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
@@ -395,8 +402,11 @@ impl<B: Backend> Idem<B> {
                     .map(|j| Outcome::Replayed(Err(j)))
                     .map_err(Error::Decode),
             }
-        };
-        observed(call, run, Outcome::observed).await
+        }
+        .instrument(call.span())
+        .await;
+        call.finish_with(&result, Outcome::observed);
+        result
     }
 
     /// Applies a message's effect once per `(subscriber, message_id)`, recording the ID
@@ -422,12 +432,15 @@ impl<B: Backend> Idem<B> {
             None,
             Some(message_id.as_str()),
         );
-        let run = self.run_consume(subscriber, message_id, payload, effect);
-        observed(call, run, |c: &Consumed<R>| match c {
+        let result = self
+            .run_consume(subscriber, message_id, payload, effect)
+            .instrument(call.span())
+            .await;
+        call.finish_with(&result, |c| match c {
             Consumed::Applied(_) => observe::Outcome::Executed,
             Consumed::Duplicate => observe::Outcome::Replayed,
-        })
-        .await
+        });
+        result
     }
 
     async fn run_consume<R, E, M, F>(
@@ -770,17 +783,6 @@ impl<R> Outcome<R> {
             Self::Replayed(_) => observe::Outcome::Replayed,
         }
     }
-}
-
-/// Runs a call's future inside its span, then records how it ended.
-async fn observed<T, E>(
-    call: Call,
-    run: impl Future<Output = Result<T, Error<E>>>,
-    ok: impl Fn(&T) -> observe::Outcome,
-) -> Result<T, Error<E>> {
-    let result = run.instrument(call.span()).await;
-    call.finish_with(&result, ok);
-    result
 }
 
 /// Serializes the effect's response (or rejection) for storage. A value JSON cannot
