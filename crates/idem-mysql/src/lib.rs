@@ -983,7 +983,7 @@ async fn complete_and_commit(
     } else {
         sql::inline(sql::CHECK_MESSAGE_GUARDED, &key).map(|c| sql::complete_and_commit_message(&c))
     };
-    let (Some(message), Some(expired)) = (message, sql::inline(target.expired, &key)) else {
+    let Some(message) = message else {
         return Err(abort(tx, unbuildable("completion")).await);
     };
     let sent = async {
@@ -1003,6 +1003,10 @@ async fn complete_and_commit(
             Ok(())
         }
         Err(e) if error_codes::server_code(&e) == Some(error_codes::ER_BAD_NULL_ERROR) => {
+            // Built only on this path: the read that tells why the guard failed.
+            let Some(expired) = sql::inline(target.expired, &key) else {
+                return Err(abort(tx, unbuildable("completion")).await);
+            };
             let why: Result<Option<(i64, Option<i64>)>, _> =
                 tx.conn.query_first(sql::why_not_completed(&expired)).await;
             let error = match why {

@@ -193,17 +193,16 @@ pub(crate) enum Lit<'a> {
     Null,
 }
 
-/// The hex literal of `bytes` with a charset introducer (`_utf8mb4`, `_binary`):
-/// `_utf8mb4 X'C3A9'`, `_binary X''`. The only way a user value reaches the text of a
-/// statement: whatever the value holds (quotes, backslashes, `*/`, NUL, any Unicode), the
-/// text gets only `[0-9A-F]` from it, so nothing needs quoting or escaping and nothing
-/// can be injected; the introducer makes the server read the bytes in that character
-/// set (and so in a collation the column's is coercible from: `utf8mb4` text into the
-/// `utf8mb4_bin` columns, `binary` bytes compared with the `VARBINARY` key columns,
-/// whose primary-key index is used).
-pub(crate) fn hex_literal(introducer: &str, bytes: &[u8]) -> String {
+/// Appends the hex literal of `bytes` with a charset introducer (`_utf8mb4`, `_binary`)
+/// to `out`: `_utf8mb4 X'C3A9'`, `_binary X''`. The only way a user value reaches the
+/// text of a statement: whatever the value holds (quotes, backslashes, `*/`, NUL, any
+/// Unicode), the text gets only `[0-9A-F]` from it, so nothing needs quoting or escaping
+/// and nothing can be injected; the introducer makes the server read the bytes in that
+/// character set (and so in a collation the column's is coercible from: `utf8mb4` text
+/// into the `utf8mb4_bin` columns, `binary` bytes compared with the `VARBINARY` key
+/// columns, whose primary-key index is used).
+fn push_hex(out: &mut String, introducer: &str, bytes: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let mut out = String::with_capacity(introducer.len() + 4 + 2 * bytes.len());
     out.push_str(introducer);
     out.push_str(" X'");
     for b in bytes {
@@ -211,16 +210,35 @@ pub(crate) fn hex_literal(introducer: &str, bytes: &[u8]) -> String {
         out.push(char::from(HEX[usize::from(b & 0x0F)]));
     }
     out.push('\'');
-    out
+}
+
+/// The length of what [`push_hex`] appends.
+fn hex_len(introducer: &str, bytes: &[u8]) -> usize {
+    introducer.len() + 4 + 2 * bytes.len()
 }
 
 impl Lit<'_> {
-    fn render(self) -> String {
+    /// The rendered literal's length, or more (an integer's: its longest).
+    fn max_len(&self) -> usize {
         match self {
-            Self::Text(s) => hex_literal("_utf8mb4", s.as_bytes()),
-            Self::Bytes(b) => hex_literal("_binary", b),
-            Self::Int(i) => i.to_string(),
-            Self::Null => "NULL".to_owned(),
+            Self::Text(s) => hex_len("_utf8mb4", s.as_bytes()),
+            Self::Bytes(b) => hex_len("_binary", b),
+            Self::Int(_) => "-9223372036854775808".len(),
+            Self::Null => "NULL".len(),
+        }
+    }
+
+    /// Appends the literal to `out`.
+    fn render_into(self, out: &mut String) {
+        match self {
+            Self::Text(s) => push_hex(out, "_utf8mb4", s.as_bytes()),
+            Self::Bytes(b) => push_hex(out, "_binary", b),
+            Self::Int(i) => {
+                use std::fmt::Write;
+                // Writing to a String cannot fail.
+                let _ = write!(out, "{i}");
+            }
+            Self::Null => out.push_str("NULL"),
         }
     }
 }
@@ -228,20 +246,19 @@ impl Lit<'_> {
 /// `statement` (one of this module's, whose only `?` are its placeholders) with its
 /// placeholders replaced, in order, by `values` as literals: a text query that needs no
 /// prepared statement, so it can travel with other statements in one message. `None`
-/// when the counts differ (a bug in the caller, reported as an error).
+/// when the counts differ (a bug in the caller, reported as an error). One pass over the
+/// statement, into a string allocated once at its final size.
 pub(crate) fn inline(statement: &str, values: &[Lit<'_>]) -> Option<String> {
-    if statement.matches('?').count() != values.len() {
-        return None;
-    }
-    let mut out = String::with_capacity(statement.len() + 64);
+    let mut out =
+        String::with_capacity(statement.len() + values.iter().map(Lit::max_len).sum::<usize>());
+    let mut parts = statement.split('?');
+    out.push_str(parts.next()?);
     let mut values = values.iter();
-    for (i, part) in statement.split('?').enumerate() {
-        if i > 0 {
-            out.push_str(&values.next()?.render());
-        }
+    for part in parts {
+        values.next()?.render_into(&mut out);
         out.push_str(part);
     }
-    Some(out)
+    values.next().is_none().then_some(out)
 }
 
 /// Params: subscriber, message ID, fingerprint, retention (µs).
@@ -720,7 +737,12 @@ mod tests {
 
     #[test]
     fn hex_literals_carry_only_hex_digits_of_user_data() {
-        use super::{Lit, hex_literal, inline};
+        use super::{Lit, inline};
+        fn hex_literal(introducer: &str, bytes: &[u8]) -> String {
+            let mut out = String::new();
+            super::push_hex(&mut out, introducer, bytes);
+            out
+        }
         assert_eq!(hex_literal("_utf8mb4", b""), "_utf8mb4 X''");
         assert_eq!(hex_literal("_binary", b"k"), "_binary X'6B'");
         assert_eq!(hex_literal("_utf8mb4", "'".as_bytes()), "_utf8mb4 X'27'");
@@ -761,6 +783,10 @@ mod tests {
         );
         assert_eq!(inline("SELECT ?", &[]), None);
         assert_eq!(inline("SELECT 1", &[Lit::Int(1)]), None);
+        assert_eq!(
+            inline("? ?", &[Lit::Int(i64::MIN), Lit::Int(i64::MAX)]).as_deref(),
+            Some("-9223372036854775808 9223372036854775807")
+        );
         // Every statement the merged messages inline has placeholders only (and the
         // guards' fixed `sql_mode`, which holds no `?`).
         for statement in [
