@@ -201,11 +201,10 @@ impl Pool {
 
     /// Takes a connection: an idle one that passes `recycle`, or a new one, waiting at
     /// most the acquire timeout for a free slot. deadpool's checkout future holds
-    /// tiberius's whole connect path (about 55 KiB); boxed, it is one allocation per
-    /// checkout instead of that size in every future above it, `Idem::execute`'s
-    /// included (`tests::checkout_future_is_boxed` in `lib.rs`). It is built in the box
-    /// (`Box::write` into an uninitialized one): `Box::pin` built it on the stack and
-    /// copied all of it into the heap on every checkout.
+    /// tiberius's whole connect path (about 55 KiB): it is boxed, so that no future above
+    /// it carries that size (`tests::checkout_future_is_boxed` in `lib.rs`), and built in
+    /// the box (`Box::write` into an uninitialized one), since `Box::pin` would build it on
+    /// the stack and copy it to the heap on every checkout.
     pub(crate) async fn acquire(&self) -> Result<Lease, DbError> {
         let checkout = Box::into_pin(Box::write(Box::new_uninit(), self.pool.get()));
         match checkout.await {

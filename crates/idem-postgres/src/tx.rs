@@ -11,15 +11,13 @@ use sqlx_core::transaction::TransactionManager;
 
 use crate::db_error;
 
-/// A connection from `pool`, for a call of idem's. sqlx's checkout future is large (about
-/// 8.5 KiB in a release build of sqlx 0.9: it holds the pool's whole connect path), and a
-/// future that awaits it in place carries that size through every layer above it:
-/// `Idem::execute`'s future was 19.4 KiB, and the protocol copied futures of about 9 800
-/// bytes three times per call. Boxed, it is one allocation per checkout, and `execute`'s
-/// future is about 2 KiB (`crates/idem/tests/future_sizes.rs`). It is built in the box
-/// (`Box::write` into an uninitialized one): `Box::pin` built it on the stack and copied
-/// its 8.5 KiB into the heap on every checkout, about 8 % of a new request's instructions
-/// in the client.
+/// A connection from `pool`, for a call of idem's. sqlx's checkout future is about 8.5
+/// KiB in a release build of sqlx 0.9 (it holds the pool's whole connect path): awaited
+/// in place, it would carry that size into every future above it (`Idem::execute`'s was
+/// 19.4 KiB; `crates/idem/tests/future_sizes.rs` guards it). So it is boxed, and built in
+/// the box (`Box::write` into an uninitialized one), since `Box::pin` would build it on the
+/// stack and copy it to the heap on every checkout (docs/performance.md, thirteenth and
+/// fourteenth rounds).
 pub(crate) async fn checkout(pool: &sqlx::PgPool) -> Result<PoolConnection<Postgres>, DbError> {
     Box::into_pin(Box::write(Box::new_uninit(), pool.acquire()))
         .await
