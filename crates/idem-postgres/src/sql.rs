@@ -1,5 +1,7 @@
 //! Every statement the PostgreSQL backend sends.
 
+use std::fmt::Write as _;
+
 macro_rules! cutoff {
     ($n:literal) => {
         concat!("clock_timestamp() - make_interval(secs => $", $n, ")")
@@ -165,22 +167,57 @@ pub(crate) const SELECT_MESSAGE_LOCKED: &str = concat!(
 /// reads in the session's `client_encoding` (UTF8, set by sqlx) exactly as it reads a
 /// bound value. The value cannot hold a NUL (idem refuses one in keys, and JSON text
 /// escapes it), which no PostgreSQL text can.
-pub(crate) fn text_literal(value: &str) -> String {
-    let mut out = String::with_capacity(value.len() + 3);
+fn push_text_literal(out: &mut String, value: &str) {
     out.push_str("E'");
-    for c in value.chars() {
-        match c {
-            '\\' => out.push_str("\\\\"),
-            '\'' => out.push_str("''"),
-            c => out.push(c),
-        }
+    let mut rest = value;
+    // Both special characters are ASCII: a byte found is a whole character.
+    while let Some(i) = rest.bytes().position(|b| b == b'\\' || b == b'\'') {
+        let (head, tail) = rest.split_at(i + 1);
+        out.push_str(head);
+        out.push(char::from(head.as_bytes()[i]));
+        rest = tail;
     }
+    out.push_str(rest);
     out.push('\'');
-    out
 }
 
-fn optional_literal(value: Option<&str>) -> String {
-    value.map_or_else(|| "NULL".to_owned(), text_literal)
+/// A value written into a key-lock completion's text (see [`push_text_literal`]).
+#[derive(Debug, Clone, Copy)]
+enum Lit<'a> {
+    Text(&'a str),
+    Null,
+    Int(i64),
+}
+
+impl<'a> Lit<'a> {
+    fn text(value: Option<&'a str>) -> Self {
+        value.map_or(Lit::Null, Lit::Text)
+    }
+
+    /// The most bytes [`Lit::push`] writes.
+    fn max_len(self) -> usize {
+        match self {
+            Lit::Text(v) => 2 * v.len() + 3,
+            Lit::Null => 4,
+            Lit::Int(_) => 20,
+        }
+    }
+
+    fn push(self, out: &mut String) {
+        match self {
+            Lit::Text(v) => push_text_literal(out, v),
+            Lit::Null => out.push_str("NULL"),
+            Lit::Int(n) => {
+                let _ = write!(out, "{n}");
+            }
+        }
+    }
+
+    fn render(self) -> String {
+        let mut out = String::with_capacity(self.max_len());
+        self.push(&mut out);
+        out
+    }
 }
 
 /// The times a key-lock claim read ([`SELECT_REQUEST_LOCKED`]), in µs since the epoch,
@@ -276,19 +313,17 @@ const REPLACE_MESSAGE: &str = " ON CONFLICT (subscriber, message_id) DO UPDATE S
 /// the statement's parameters as SQL text, in its order; `times`: what the re-read
 /// read. The trailing `BEGIN` opens an empty transaction for sqlx's queued `ROLLBACK` to
 /// end (see `PgTx::commit_with`).
-fn complete_locked(
-    request: bool,
-    mut values: Vec<String>,
-    times: &ClaimTimes,
-    replace: bool,
-) -> String {
-    values.extend([times.begun, times.claimed, times.expires].map(|t| t.to_string()));
+fn complete_locked(request: bool, values: &[Lit<'_>], claim: &ClaimTimes, replace: bool) -> String {
+    let times = [claim.begun, claim.claimed, claim.expires].map(Lit::Int);
+    let args = || values.iter().chain(&times).copied();
     let (table, prepared_sql) = if request {
         ("request", PREPARED_REQUEST)
     } else {
         ("message", PREPARED_MESSAGE)
     };
     if replace {
+        // Only for a record that expired: built with `format!`, once per such record.
+        let values: Vec<String> = args().map(Lit::render).collect();
         let v = |i: usize| values[i].as_str();
         let insert = if request {
             format!(
@@ -318,17 +353,39 @@ fn complete_locked(
         };
         return format!("{insert}; COMMIT; BEGIN");
     }
-    let args = values.join(", ");
-    match times.prepared.as_deref().filter(|n| is_prepared_name(n)) {
-        Some(name) => format!("EXECUTE {name}({args}); COMMIT; BEGIN"),
-        None => {
-            let name = prepared_name(request);
-            format!(
-                "PREPARE {name} {prepared_sql}; SELECT set_config('idem.complete_{table}', '{name}', false); \
-                 EXECUTE {name}({args}); COMMIT; BEGIN"
-            )
-        }
+    // The common case, written once into a string allocated at its final size: the
+    // `EXECUTE` of the session's prepared completion, preceded by its `PREPARE` when the
+    // session has none.
+    let prepared = claim.prepared.as_deref().filter(|n| is_prepared_name(n));
+    let new_name = prepared.is_none().then(|| prepared_name(request));
+    let name = prepared.or(new_name.as_deref()).unwrap_or_default();
+    let args_len: usize = args().map(|v| v.max_len() + 2).sum();
+    let prepare_len = new_name.as_ref().map_or(0, |_| {
+        "PREPARE  ; SELECT set_config('idem.complete_', '', false); ".len()
+            + 2 * name.len()
+            + prepared_sql.len()
+            + table.len()
+    });
+    let mut out = String::with_capacity(
+        prepare_len + "EXECUTE (); COMMIT; BEGIN".len() + name.len() + args_len,
+    );
+    if new_name.is_some() {
+        let _ = write!(
+            out,
+            "PREPARE {name} {prepared_sql}; SELECT set_config('idem.complete_{table}', '{name}', false); "
+        );
     }
+    out.push_str("EXECUTE ");
+    out.push_str(name);
+    out.push('(');
+    for (i, v) in args().enumerate() {
+        if i > 0 {
+            out.push_str(", ");
+        }
+        v.push(&mut out);
+    }
+    out.push_str("); COMMIT; BEGIN");
+    out
 }
 
 /// Forgets the session's prepared completions (after an `EXECUTE` found one gone), so
@@ -350,13 +407,16 @@ pub(crate) fn complete_request_locked(
     times: &ClaimTimes,
     replace: bool,
 ) -> String {
-    let mut values: Vec<String> = key.iter().map(|v| text_literal(v)).collect();
-    values.extend([
-        optional_literal(request),
-        optional_literal(response),
-        status.to_string(),
-    ]);
-    complete_locked(true, values, times, replace)
+    let [principal, operation, key] = key;
+    let values = [
+        Lit::Text(principal),
+        Lit::Text(operation),
+        Lit::Text(key),
+        Lit::text(request),
+        Lit::text(response),
+        Lit::Int(status.into()),
+    ];
+    complete_locked(true, &values, times, replace)
 }
 
 /// The key-lock completion of a message and its `COMMIT` (see [`complete_locked`]).
@@ -366,9 +426,13 @@ pub(crate) fn complete_message_locked(
     times: &ClaimTimes,
     replace: bool,
 ) -> String {
-    let mut values: Vec<String> = key.iter().map(|v| text_literal(v)).collect();
-    values.push(optional_literal(fingerprint));
-    complete_locked(false, values, times, replace)
+    let [subscriber, message_id] = key;
+    let values = [
+        Lit::Text(subscriber),
+        Lit::Text(message_id),
+        Lit::text(fingerprint),
+    ];
+    complete_locked(false, &values, times, replace)
 }
 
 /// On Citus, once the claim is won: the effect gets the default `lock_timeout` back, on
@@ -887,12 +951,17 @@ pub(crate) const ALL: &[(&str, &str)] = &[
 mod tests {
     #[test]
     fn literals_escape_their_two_special_characters() {
-        assert_eq!(super::text_literal(""), "E''");
+        let text_literal = |v| super::Lit::Text(v).render();
+        assert_eq!(text_literal(""), "E''");
         assert_eq!(
-            super::text_literal(r"k'); DROP TABLE x; -- \ é"),
+            text_literal(r"k'); DROP TABLE x; -- \ é"),
             r"E'k''); DROP TABLE x; -- \\ é'"
         );
-        assert_eq!(super::text_literal(r"\'"), r"E'\\'''");
+        assert_eq!(text_literal(r"\'"), r"E'\\'''");
+        assert_eq!(text_literal(r"'é\"), r"E'''é\\'");
+        // The most a literal can take: every character doubled.
+        let worst = r"\'\'";
+        assert_eq!(text_literal(worst).len(), super::Lit::Text(worst).max_len());
     }
 
     #[test]
