@@ -360,12 +360,12 @@ impl<B: Backend> Idem<B> {
             match done {
                 Done::Executed(Ok(r)) => Ok(Outcome::Executed(r)),
                 Done::Executed(Err(never)) => match never {},
-                Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
-                    .map(Outcome::Replayed)
-                    .map_err(Error::Decode),
-                Done::Replayed(Status::Rejected, text) => Err(Error::StoredRejection(
-                    serde_json::from_str(&text).map_err(Error::Decode)?,
-                )),
+                Done::Replayed(Status::Succeeded, text) => {
+                    decode_stored(&text).map(Outcome::Replayed)
+                }
+                Done::Replayed(Status::Rejected, text) => {
+                    Err(Error::StoredRejection(decode_stored(&text)?))
+                }
             }
         }
         .instrument(call.span())
@@ -395,12 +395,12 @@ impl<B: Backend> Idem<B> {
         let result = async move {
             match self.run_request(scope, key, request, effect).await? {
                 Done::Executed(r) => Ok(Outcome::Executed(r)),
-                Done::Replayed(Status::Succeeded, text) => serde_json::from_str(&text)
-                    .map(|r| Outcome::Replayed(Ok(r)))
-                    .map_err(Error::Decode),
-                Done::Replayed(Status::Rejected, text) => serde_json::from_str(&text)
-                    .map(|j| Outcome::Replayed(Err(j)))
-                    .map_err(Error::Decode),
+                Done::Replayed(Status::Succeeded, text) => {
+                    decode_stored(&text).map(|r| Outcome::Replayed(Ok(r)))
+                }
+                Done::Replayed(Status::Rejected, text) => {
+                    decode_stored(&text).map(|j| Outcome::Replayed(Err(j)))
+                }
             }
         }
         .instrument(call.span())
@@ -459,13 +459,12 @@ impl<B: Backend> Idem<B> {
             payload.check("message payload", self.max_request_bytes)?;
         }
         check_retention("message retention", self.message_retention)?;
-        let text = payload.map(Request::to_json);
         let claim = Claim {
             id: Identity::Message {
                 subscriber,
                 message_id,
             },
-            request: text.as_deref(),
+            request: payload.map(Request::as_json),
             retention: self.message_retention,
             wait: self.wait,
         };
@@ -527,10 +526,9 @@ impl<B: Backend> Idem<B> {
     {
         request.check("request", self.max_request_bytes)?;
         check_retention("operation retention", scope.operation.retention())?;
-        let text = request.to_json();
         let claim = Claim {
             id: Identity::Request { scope, key },
-            request: Some(&text),
+            request: Some(request.as_json()),
             retention: scope.operation.retention(),
             wait: self.wait,
         };
@@ -550,7 +548,7 @@ impl<B: Backend> Idem<B> {
                     self.backend.claim(&claim).await?
                 };
                 let tx = match claimed {
-                    Claimed::Found(stored) => return replay(&stored, request).map_err(Step::Fail),
+                    Claimed::Found(stored) => return replay(stored, request).map_err(Step::Fail),
                     Claimed::InFlight => {
                         return Err(Step::Fail(Error::InProgress { waited: self.wait }));
                     }
@@ -848,13 +846,26 @@ fn parse_stored<E>(text: &str) -> Result<Value, Error<E>> {
 /// The stored text is canonicalized again first when it differs byte for byte, for
 /// records written by older versions or reformatted by an engine.
 fn same_request<E>(stored: &str, supplied: &Request) -> Result<bool, Error<E>> {
-    if stored == supplied.to_json() {
+    if stored == supplied.as_json() {
         return Ok(true);
     }
-    Ok(Request::new(parse_stored(stored)?).to_json() == supplied.to_json())
+    Ok(Request::new(parse_stored(stored)?).as_json() == supplied.as_json())
 }
 
-fn replay<R, J, E>(stored: &Stored, supplied: &Request) -> Result<Done<R, J>, Error<E>> {
+/// Decodes a stored response (or rejection) into the caller's type: text that is not
+/// JSON is a corrupt record; JSON that does not fit the type is [`Error::Decode`]. One
+/// parse when it decodes; which failure it was is told by a second parse only then
+/// (a type mismatch can stop the first before the text's end).
+fn decode_stored<T: DeserializeOwned, E>(text: &str) -> Result<T, Error<E>> {
+    serde_json::from_str(text).map_err(|e| match serde_json::from_str::<Value>(text) {
+        Ok(_) => Error::Decode(e),
+        Err(_) => corrupt("stored response is unreadable".into()),
+    })
+}
+
+/// A found record's answer for `supplied`: its response, still to be decoded by the
+/// caller ([`decode_stored`]), or [`Error::KeyReused`].
+fn replay<R, J, E>(stored: Stored, supplied: &Request) -> Result<Done<R, J>, Error<E>> {
     let Some(stored_request) = stored.request.as_deref() else {
         return Err(corrupt("stored record has no request".into()));
     };
@@ -864,13 +875,12 @@ fn replay<R, J, E>(stored: &Stored, supplied: &Request) -> Result<Done<R, J>, Er
             supplied: supplied.value().clone(),
         });
     }
-    let Some(response) = stored.response.as_deref() else {
+    let Some(response) = stored.response else {
         return Err(corrupt(
             "a record without its response was visible outside its transaction".into(),
         ));
     };
-    parse_stored::<E>(response).map_err(|_| corrupt("stored response is unreadable".into()))?;
-    Ok(Done::Replayed(stored.status, response.to_owned()))
+    Ok(Done::Replayed(stored.status, response))
 }
 
 #[cfg(test)]

@@ -1,6 +1,7 @@
 //! SQLite traps: an in-memory database survives cancelled calls and panicking effects;
 //! `interact` inside an effect is refused instead of deadlocking; `synchronous=FULL` by
-//! default; a record that expires during its effect is refused; JSON text is verbatim.
+//! default; a record that expires during its effect is refused; JSON text is verbatim;
+//! a stored response that does not decode is an error, never a replay.
 
 #![allow(clippy::unwrap_used)] // test setup: fail loudly
 
@@ -240,6 +241,59 @@ async fn json_text_is_stored_byte_for_byte() {
         .unwrap();
     assert_eq!(stored_request, request.to_json(), "the request's text");
     assert_eq!(stored_response, serde_json::to_string(&value).unwrap());
+}
+
+/// A stored response that is no longer JSON is a corrupt record (the table's `json_valid`
+/// check is switched off here to write one); JSON of another shape than the caller's
+/// type is the caller's decode error. Neither runs the effect again.
+#[tokio::test]
+async fn a_stored_response_that_does_not_decode_is_an_error_not_a_replay() {
+    let (backend, idem) = memory().await;
+    let (scope, key, request) = (scope(), Key::new("kept").unwrap(), request());
+    let replay = || {
+        idem.execute(&scope, &key, &request, |_tx| {
+            Box::pin(async { Ok::<_, rusqlite_error::E>(2_i64) })
+        })
+    };
+    let overwrite = |response: &'static str| {
+        backend.interact(move |c| {
+            c.execute_batch("PRAGMA ignore_check_constraints = ON")?;
+            let n = c.execute(
+                "UPDATE idem_request_result SET response = ?1 WHERE request_key = 'kept'",
+                [response],
+            );
+            c.execute_batch("PRAGMA ignore_check_constraints = OFF")?;
+            n
+        })
+    };
+    assert_eq!(overwrite("{\"n\":").await.unwrap(), 1);
+    match replay().await {
+        Err(Error::Backend(e)) => {
+            assert_eq!(e.kind(), ErrorKind::CorruptRecord, "{e}");
+            assert!(
+                e.to_string().contains("stored response is unreadable"),
+                "{e}"
+            );
+        }
+        other => panic!("a corrupt record, not {other:?}"),
+    }
+    assert_eq!(overwrite("1 2").await.unwrap(), 1);
+    assert!(
+        matches!(replay().await, Err(Error::Backend(e)) if e.kind() == ErrorKind::CorruptRecord),
+        "trailing text is no JSON value"
+    );
+    assert_eq!(overwrite("\"one\"").await.unwrap(), 1);
+    assert!(
+        matches!(replay().await, Err(Error::Decode(_))),
+        "JSON that is not an integer"
+    );
+    assert_eq!(overwrite("7").await.unwrap(), 1);
+    assert_eq!(replay().await.unwrap(), Outcome::Replayed(7));
+    let rows: i64 = backend
+        .interact(|c| c.query_row("SELECT count(*) FROM t", [], |r| r.get(0)))
+        .await
+        .unwrap();
+    assert_eq!(rows, 1, "the effect never ran again");
 }
 
 /// SQLite has one writer: a claim of another key that waits past its bound while a
