@@ -353,9 +353,9 @@ fn complete_locked(request: bool, values: &[Lit<'_>], claim: &ClaimTimes, replac
         };
         return format!("{insert}; COMMIT; BEGIN");
     }
-    // The common case, written once into a string allocated at its final size: the
-    // `EXECUTE` of the session's prepared completion, preceded by its `PREPARE` when the
-    // session has none.
+    // The common case, written in one pass into one string, allocated once for the
+    // longest the literals can be: the `EXECUTE` of the session's prepared completion,
+    // preceded by its `PREPARE` when the session has none.
     let prepared = claim.prepared.as_deref().filter(|n| is_prepared_name(n));
     let new_name = prepared.is_none().then(|| prepared_name(request));
     let name = prepared.or(new_name.as_deref()).unwrap_or_default();
