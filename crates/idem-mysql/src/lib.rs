@@ -550,9 +550,10 @@ struct Target<'a> {
     lookup: &'static str,
     lookup_committed: &'static str,
     expired: &'static str,
-    key: Vec<Value>,
-    /// The same key columns as bytes.
-    key_bytes: Vec<&'a [u8]>,
+    /// The key columns' bytes: the first `key_len` (three for a request, two for a
+    /// message).
+    key_bytes: [&'a [u8]; 3],
+    key_len: usize,
     request: Option<&'a str>,
     is_request: bool,
 }
@@ -567,16 +568,12 @@ impl<'a> Target<'a> {
                 lookup: sql::LOOKUP_REQUEST,
                 lookup_committed: sql::LOOKUP_REQUEST_COMMITTED,
                 expired: sql::EXPIRED_REQUEST,
-                key: vec![
-                    scope.principal.as_str().as_bytes().into(),
-                    scope.operation.as_str().as_bytes().into(),
-                    key.as_str().as_bytes().into(),
-                ],
-                key_bytes: vec![
+                key_bytes: [
                     scope.principal.as_str().as_bytes(),
                     scope.operation.as_str().as_bytes(),
                     key.as_str().as_bytes(),
                 ],
+                key_len: 3,
                 request: claim.request,
                 is_request: true,
             },
@@ -590,27 +587,30 @@ impl<'a> Target<'a> {
                 lookup: sql::LOOKUP_MESSAGE,
                 lookup_committed: sql::LOOKUP_MESSAGE_COMMITTED,
                 expired: sql::EXPIRED_MESSAGE,
-                key: vec![
-                    subscriber.as_str().as_bytes().into(),
-                    message_id.as_str().as_bytes().into(),
-                ],
-                key_bytes: vec![
+                key_bytes: [
                     subscriber.as_str().as_bytes(),
                     message_id.as_str().as_bytes(),
+                    &[],
                 ],
+                key_len: 2,
                 request: claim.request,
                 is_request: false,
             },
         }
     }
 
+    /// The key columns' bytes.
+    fn key(&self) -> &[&'a [u8]] {
+        &self.key_bytes[..self.key_len]
+    }
+
     /// `first`, then the key, then `last`.
     fn params(&self, first: Vec<Value>, last: Vec<Value>) -> Vec<Value> {
-        first
-            .into_iter()
-            .chain(self.key.iter().cloned())
-            .chain(last)
-            .collect()
+        let mut params = Vec::with_capacity(first.len() + self.key_len + last.len());
+        params.extend(first);
+        params.extend(self.key().iter().map(|b| Value::Bytes(b.to_vec())));
+        params.extend(last);
+        params
     }
 
     fn request_value(&self) -> Value {
@@ -619,7 +619,7 @@ impl<'a> Target<'a> {
 
     /// The key columns as `_binary` hex literals, for statements sent as text.
     fn key_literals(&self) -> Vec<sql::Lit<'_>> {
-        self.key_bytes.iter().map(|b| sql::Lit::Bytes(b)).collect()
+        self.key().iter().map(|b| sql::Lit::Bytes(b)).collect()
     }
 
     /// Reads `(request, response, status)` or `(fingerprint)`, then `expired` when
