@@ -310,8 +310,8 @@ const REPLACE_MESSAGE: &str = " ON CONFLICT (subscriber, message_id) DO UPDATE S
 /// session's prepared completion (preparing it first, under a new name kept in the
 /// session setting `idem.complete_<table>`, when the session has none); an expired
 /// record is replaced by a plain statement with `ON CONFLICT … DO UPDATE`. `values`:
-/// the statement's parameters as SQL text, in its order; `times`: what the re-read
-/// read. The trailing `BEGIN` opens an empty transaction for sqlx's queued `ROLLBACK` to
+/// the statement's parameters up to the times, in its order; `claim`: what the re-read
+/// read (the times follow the values). The trailing `BEGIN` opens an empty transaction for sqlx's queued `ROLLBACK` to
 /// end (see `PgTx::commit_with`).
 fn complete_locked(request: bool, values: &[Lit<'_>], claim: &ClaimTimes, replace: bool) -> String {
     let times = [claim.begun, claim.claimed, claim.expires].map(Lit::Int);
