@@ -251,8 +251,11 @@ async fn a_stored_response_that_does_not_decode_is_an_error_not_a_replay() {
     let (backend, idem) = memory().await;
     let (scope, key, request) = (scope(), Key::new("kept").unwrap(), request());
     let replay = || {
-        idem.execute(&scope, &key, &request, |_tx| {
-            Box::pin(async { Ok::<_, rusqlite_error::E>(2_i64) })
+        idem.execute(&scope, &key, &request, |tx| {
+            Box::pin(async move {
+                tx.run(|c| c.execute("INSERT INTO t VALUES (2)", []).map(|_| 2_i64))
+                    .await
+            })
         })
     };
     let overwrite = |response: &'static str| {
