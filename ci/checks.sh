@@ -2,9 +2,9 @@
 # The static checks, which need no server and build nothing the tests use: clippy with
 # warnings denied, the documentation (warnings denied), the feature combinations
 # (ci/features.sh), the minimum Rust versions (ci/msrv.sh) and the packages (ci/package.sh).
-# ci/test.sh runs this beside its tests, at the lowest CPU and I/O priority and in a target
-# directory of its own (target/checks: cargo locks a target directory per build, so sharing
-# the tests' would make them wait); it fails the run when this fails.
+# ci/test.sh runs this beside its build and tests, at the lowest CPU and I/O priority and
+# in a target directory of its own (target/checks: cargo locks a target directory per
+# build, so sharing the tests' would make them wait); it fails the run when this fails.
 # Runnable alone: ci/checks.sh (CARGO_TARGET_DIR chooses where it builds).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +25,9 @@ summary() {
   printf '%6s  total\n' "$SECONDS"
 }
 trap summary EXIT
+
+step "the minimum Rust versions' toolchains, installed when missing (ci/msrv.sh install: a download, done while the tests' build has the CPU)"
+ci/msrv.sh install
 
 step "clippy (warnings denied)"
 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings

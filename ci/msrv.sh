@@ -4,15 +4,24 @@
 # (1.94, what sqlx 0.9 requires) for it and the crates that enable it. Fails when an API
 # newer than that, or a dependency needing a newer compiler, slips in. Installs the
 # toolchains with rustup (minimal profile) when missing.
-# Run by ci/test.sh; runnable alone: ci/msrv.sh
+# Run by ci/checks.sh; runnable alone: ci/msrv.sh (`ci/msrv.sh install` only installs the
+# toolchains: ci/checks.sh does that first, while the tests' build keeps the CPU busy).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+case ${1:-} in
+  install | "") ;;
+  *)
+    echo "usage: ci/msrv.sh [install]" >&2
+    exit 2
+    ;;
+esac
 msrv=$(sed -n 's/^rust-version = "\(.*\)"$/\1/p' Cargo.toml)
 pg_msrv=$(sed -n 's/^rust-version = "\(.*\)"$/\1/p' crates/idem-postgres/Cargo.toml)
 for toolchain in "$msrv" "$pg_msrv"; do
   rustup toolchain list | grep -q "^$toolchain-" ||
     rustup toolchain install "$toolchain" --profile minimal
 done
+[ "${1:-}" = install ] && exit 0
 # Apart from the main build: another compiler's artifacts would only evict it.
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target}/msrv"
 

@@ -9,8 +9,8 @@
 # the README's walkthrough on each required engine, and the runnable examples (examples/)
 # against their engines and brokers. It starts only the servers these steps need.
 # The static checks that need no server (clippy, documentation, feature combinations, MSRV,
-# packages: ci/checks.sh) run beside the tests, once the build is done, and end the run
-# with their output.
+# packages: ci/checks.sh) run beside the build and the tests, and end the run with their
+# output.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,10 +48,12 @@ summary() {
   done
   printf '%6s  total\n' "$SECONDS"
 }
-# The static checks (ci/checks.sh) run beside the tests, started once the build is done:
-# they need no server and build into target/checks, at the lowest CPU and I/O priority, so the
-# tests' own builds and servers come first. Their output is printed when they end; a failure
-# fails the run at the next step.
+# The static checks (ci/checks.sh) run beside the build and the tests, started before the
+# build: they need no server and build into target/checks, at the lowest CPU and I/O
+# priority, so the tests' own build and servers come first and the checks take what CPU and
+# network they leave (the build's serial stretches, the tests' waits, the MSRV toolchains'
+# download). Their output is printed when they end; a failure fails the run at the next
+# step.
 checks_dir=${CARGO_TARGET_DIR:-$PWD/target}/checks
 checks_pid=
 checks_failed_early() {
@@ -107,19 +109,19 @@ if wants mysql && clusters; then ensure_galera_binaries; fi
 step "format"
 cargo fmt --all --check
 
+step "static checks started beside the build and the tests: clippy, documentation, feature combinations, MSRV, packages (ci/checks.sh, output at the end)"
+rm -f "$checks_dir.rc"
+mkdir -p "$(dirname "$checks_dir")"
+setsid bash -c 'CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.log" 2>&1; echo $? >"$1.rc"' \
+  checks "$checks_dir" &
+checks_pid=$!
+
 # Every test binary is built once, here, with the whole workspace's features. The test
 # steps select their targets by name under `--workspace`: a `-p` selection resolves the
 # dependencies' features anew for the packages it names and rebuilds them (minutes per
 # selection), and would leave target/debug/idem built with other features.
 step "build"
 cargo build --workspace --all-targets --all-features --locked
-
-step "static checks started beside the tests: clippy, documentation, feature combinations, MSRV, packages (ci/checks.sh, output at the end)"
-rm -f "$checks_dir.rc"
-mkdir -p "$(dirname "$checks_dir")"
-setsid bash -c 'CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.log" 2>&1; echo $? >"$1.rc"' \
-  checks "$checks_dir" &
-checks_pid=$!
 
 # Test target names are unique across the workspace, so that `--workspace --test NAME`
 # selects one target (the crates' tests/*.rs, and the [[test]] targets of tests/ and
@@ -323,9 +325,11 @@ else
 fi
 
 step "the README's walkthrough"
-# The binary with every feature (the steps above left it so; an earlier step with fewer
-# features would have rebuilt it without `idem bench`).
-cargo build --locked --workspace --all-features --bin idem
+# The binary the build step made, and every step above used: every feature, and the
+# dependencies' features as the test targets unify them. (`--bin idem` alone would resolve
+# the dependencies without the dev-dependencies' features, tokio's among them, and rebuild
+# them all: minutes for nothing.) Nothing is left to build here.
+cargo build --locked --workspace --all-targets --all-features
 demo_dir=$(mktemp -d)
 trap 'rm -rf "$demo_dir"; on_exit' EXIT
 idem="$PWD/target/debug/idem"
