@@ -112,7 +112,12 @@ cargo fmt --all --check
 step "static checks started beside the build and the tests: clippy, documentation, feature combinations, MSRV, packages (ci/checks.sh, output at the end)"
 rm -f "$checks_dir.rc"
 mkdir -p "$(dirname "$checks_dir")"
-setsid bash -c 'CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.log" 2>&1; echo $? >"$1.rc"' \
+# In a session of their own (setsid), so that a failure can stop them all. Where the kernel
+# groups processes per session for scheduling (autogroup), `nice` ranks processes only
+# inside their session and each session gets an equal share of the CPU: the checks would
+# take half of it from the build. So their session's own priority is lowered too.
+setsid bash -c 'echo 19 >/proc/self/autogroup 2>/dev/null || true
+  CARGO_TARGET_DIR="$1" nice -n 19 ionice -c 3 ci/checks.sh >"$1.log" 2>&1; echo $? >"$1.rc"' \
   checks "$checks_dir" &
 checks_pid=$!
 
