@@ -36,6 +36,10 @@ for config in config.toml config; do
   if [ -f "$home/$config" ]; then cp "$home/$config" "$CARGO_HOME/"; fi
 done
 build="$target/package-build"
+# These builds prove that each package compiles from its own contents; debug information
+# would only slow them down (the verification builds take the dev profile's default, full
+# debug information, as they ignore the workspace's profile).
+export CARGO_PROFILE_DEV_DEBUG=false
 rm -rf "$CARGO_HOME"/registry/src/-* "$build/package" \
   "$build"/debug/.fingerprint/idem-* "$build"/debug/deps/*idem_* "$build"/debug/build/idem-*
 
@@ -86,7 +90,9 @@ debug = false
 TOML
 # The same dependency versions as the workspace (the lockfile is adjusted, not upgraded).
 cp Cargo.lock "$work/user/Cargo.lock"
-(cd "$work/user" && CARGO_TARGET_DIR="$target/registry-user" cargo run --quiet --offline)
+# Built where the verification built its dependencies: the crates.io ones are reused, every
+# idem package is built again from the unpacked files (a path of its own).
+(cd "$work/user" && CARGO_TARGET_DIR="$build" cargo run --quiet --offline)
 # Nothing of the workspace was used: every idem package came from the unpacked files.
 elsewhere=$(cd "$work/user" && cargo tree --offline --prefix none -e normal |
   grep '^idem-' | grep -v '^idem-registry-user ' | grep -v "$work/unpacked" || true)
