@@ -499,6 +499,7 @@ mod tests {
             ErrorKind::Transient,
             ErrorKind::Authentication,
             ErrorKind::MissingDatabase,
+            ErrorKind::MissingTable,
             ErrorKind::ClientLibraryMissing,
             ErrorKind::CorruptRecord,
             ErrorKind::Configuration,

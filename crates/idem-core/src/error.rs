@@ -34,7 +34,9 @@ impl InvalidInput {
 }
 
 /// What an engine error means for the protocol, decided from the engine's error code
-/// (never from message text, which is localized).
+/// (never from message text, which is localized; the one exception is SQLite's missing
+/// table or column, whose generic `SQLITE_ERROR` says no more and whose messages are
+/// not localized).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ErrorKind {
@@ -59,6 +61,14 @@ pub enum ErrorKind {
     /// The database named in the URL does not exist or cannot be opened (PostgreSQL
     /// 3D000, MySQL 1049, SQL Server 4060, ORA-12514, SQLite `SQLITE_CANTOPEN`).
     MissingDatabase,
+    /// A table, or a column of one, that a statement names does not exist (PostgreSQL
+    /// 42P01/42703, MySQL 1146/1054, SQL Server 208/207, ORA-00942/ORA-00904, SQLite's
+    /// `no such table`/`no such column`). From idem's own statements it means idem's
+    /// migrations have not run on this database, or not all of them (run
+    /// [`crate::Idem::migrate`] or `idem migrate`), or the session cannot see idem's
+    /// tables (another schema on its search path; on Oracle, no grant). Not retried:
+    /// nothing ran.
+    MissingTable,
     /// The engine's client library is missing (Oracle's DPI-1047).
     ClientLibraryMissing,
     /// A stored record that breaks the protocol's invariants (an unfinished response
@@ -96,6 +106,7 @@ impl fmt::Display for ErrorKind {
             Self::Connection => "connection error",
             Self::Authentication => "authentication failed",
             Self::MissingDatabase => "database not found",
+            Self::MissingTable => "table or column not found",
             Self::ClientLibraryMissing => "client library missing",
             Self::CorruptRecord => "corrupt record",
             Self::Configuration => "configuration error",

@@ -199,6 +199,7 @@ pub fn cause_label(kind: ErrorKind) -> &'static str {
         ErrorKind::Connection => "connection",
         ErrorKind::Authentication => "authentication",
         ErrorKind::MissingDatabase => "missing_database",
+        ErrorKind::MissingTable => "missing_table",
         ErrorKind::ClientLibraryMissing => "client_library_missing",
         ErrorKind::CorruptRecord => "corrupt_record",
         ErrorKind::Configuration => "configuration",

@@ -54,6 +54,12 @@ pub const NO_TRANSACTION_TO_COMMIT: u32 = 3902;
 pub const NO_TRANSACTION_TO_ROLL_BACK: u32 = 3903;
 /// `Violation of … constraint`: a CHECK constraint refused a row (not a duplicate).
 pub const CHECK_CONSTRAINT_VIOLATION: u32 = 547;
+/// "Invalid object name": a table the statement names does not exist, or the login
+/// cannot see it (idem's migrations have not run in this database).
+pub const INVALID_OBJECT_NAME: u32 = 208;
+/// "Invalid column name": a column the statement names does not exist (a migration has
+/// not run).
+pub const INVALID_COLUMN_NAME: u32 = 207;
 
 /// What an error number means for the protocol.
 pub fn kind_of(number: u32) -> ErrorKind {
@@ -71,6 +77,7 @@ pub fn kind_of(number: u32) -> ErrorKind {
         DATABASE_UNAVAILABLE | SERVICE_ERROR => ErrorKind::Connection,
         LOGIN_FAILED => ErrorKind::Authentication,
         CANNOT_OPEN_DATABASE => ErrorKind::MissingDatabase,
+        INVALID_OBJECT_NAME | INVALID_COLUMN_NAME => ErrorKind::MissingTable,
         SNAPSHOT_NOT_ALLOWED => ErrorKind::Configuration,
         _ => ErrorKind::Other,
     }
@@ -141,6 +148,8 @@ mod tests {
         assert_eq!(kind_of(40613), ErrorKind::Connection);
         assert_eq!(kind_of(18456), ErrorKind::Authentication);
         assert_eq!(kind_of(4060), ErrorKind::MissingDatabase);
+        assert_eq!(kind_of(208), ErrorKind::MissingTable);
+        assert_eq!(kind_of(207), ErrorKind::MissingTable);
         assert_eq!(kind_of(3952), ErrorKind::Configuration);
         assert_eq!(
             kind_of(547),

@@ -51,6 +51,8 @@ pub const ER_BAD_DB_ERROR: u16 = 1049;
 pub const ER_SERVER_SHUTDOWN: u16 = 1053;
 /// `ER_NO_SUCH_TABLE`: a table is missing (run the migrations).
 pub const ER_NO_SUCH_TABLE: u16 = 1146;
+/// `ER_BAD_FIELD_ERROR`: an unknown column (a migration has not run).
+pub const ER_BAD_FIELD_ERROR: u16 = 1054;
 /// `ER_UNKNOWN_COM_ERROR`: on a Galera node, "WSREP has not yet prepared node for
 /// application use": the node is not in the cluster's primary component (cut off, or
 /// still joining). Classified as a connection error: send the same key to another node.
@@ -81,7 +83,7 @@ pub fn kind_of(code: u16) -> ErrorKind {
             ErrorKind::Authentication
         }
         ER_BAD_DB_ERROR => ErrorKind::MissingDatabase,
-        ER_NO_SUCH_TABLE => ErrorKind::Configuration,
+        ER_NO_SUCH_TABLE | ER_BAD_FIELD_ERROR => ErrorKind::MissingTable,
         _ => ErrorKind::Other,
     }
 }
@@ -191,7 +193,8 @@ mod tests {
             ErrorKind::Connection,
             "a Galera node outside the primary component"
         );
-        assert_eq!(kind_of(1146), ErrorKind::Configuration);
+        assert_eq!(kind_of(1146), ErrorKind::MissingTable);
+        assert_eq!(kind_of(1054), ErrorKind::MissingTable);
         assert_eq!(kind_of(1045), ErrorKind::Authentication);
         assert_eq!(kind_of(1044), ErrorKind::Authentication);
         assert_eq!(kind_of(1698), ErrorKind::Authentication);

@@ -50,6 +50,11 @@ pub const NO_LISTENER: i32 = 12541;
 pub const UNKNOWN_SERVICE: i32 = 12514;
 /// ORA-12505: the listener does not know the SID named in the URL.
 pub const UNKNOWN_SID: i32 = 12505;
+/// ORA-00942: table or view does not exist, or the user has no privilege on it (idem's
+/// migrations have not run for this schema, or its grants are missing).
+pub const TABLE_DOES_NOT_EXIST: i32 = 942;
+/// ORA-00904: invalid identifier, such as a column a migration has not added yet.
+pub const INVALID_IDENTIFIER: i32 = 904;
 
 /// ORA numbers that mean the connection could not be made or is gone. After one of
 /// these during a commit the outcome is unknown: retry with the same key to learn it.
@@ -124,6 +129,7 @@ pub fn kind_of(ora: i32) -> ErrorKind {
         RESOURCE_BUSY | WAIT_TIMEOUT | OBJECT_LOCK_TIMEOUT => ErrorKind::LockTimeout,
         INVALID_LOGON => ErrorKind::Authentication,
         UNKNOWN_SERVICE | UNKNOWN_SID => ErrorKind::MissingDatabase,
+        TABLE_DOES_NOT_EXIST | INVALID_IDENTIFIER => ErrorKind::MissingTable,
         UNRESOLVED_CONNECT_IDENTIFIER => ErrorKind::Configuration,
         c if CONNECTION_CODES.contains(&c) => ErrorKind::Connection,
         _ => ErrorKind::Other,
@@ -222,6 +228,8 @@ mod tests {
         assert_eq!(kind_of(1017), ErrorKind::Authentication);
         assert_eq!(kind_of(12514), ErrorKind::MissingDatabase);
         assert_eq!(kind_of(12505), ErrorKind::MissingDatabase);
+        assert_eq!(kind_of(942), ErrorKind::MissingTable);
+        assert_eq!(kind_of(904), ErrorKind::MissingTable);
         assert_eq!(
             kind_of(2291),
             ErrorKind::Other,

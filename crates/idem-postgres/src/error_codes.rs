@@ -29,6 +29,12 @@ pub const INVALID_PASSWORD: &str = "28P01";
 pub const INVALID_AUTHORIZATION_SPECIFICATION: &str = "28000";
 /// `invalid_catalog_name`: the database named in the URL does not exist.
 pub const INVALID_CATALOG_NAME: &str = "3D000";
+/// `undefined_table`: a table the statement names does not exist (idem's migrations
+/// have not run, or its schema is not on the session's `search_path`).
+pub const UNDEFINED_TABLE: &str = "42P01";
+/// `undefined_column`: a column the statement names does not exist (a migration has not
+/// run).
+pub const UNDEFINED_COLUMN: &str = "42703";
 /// `invalid_parameter_value`: what a server-side function raises for a reused key.
 pub const INVALID_PARAMETER_VALUE: &str = "22023";
 /// `admin_shutdown`: the server ended this session (`pg_terminate_backend`, a fast or
@@ -53,6 +59,7 @@ pub fn kind_of(sqlstate: &str) -> ErrorKind {
         LOCK_NOT_AVAILABLE => ErrorKind::LockTimeout,
         INVALID_PASSWORD | INVALID_AUTHORIZATION_SPECIFICATION => ErrorKind::Authentication,
         INVALID_CATALOG_NAME => ErrorKind::MissingDatabase,
+        UNDEFINED_TABLE | UNDEFINED_COLUMN => ErrorKind::MissingTable,
         ADMIN_SHUTDOWN | CRASH_SHUTDOWN | CANNOT_CONNECT_NOW | IDLE_SESSION_TIMEOUT => {
             ErrorKind::Connection
         }
@@ -126,6 +133,8 @@ mod tests {
         assert_eq!(kind_of("28P01"), ErrorKind::Authentication);
         assert_eq!(kind_of("28000"), ErrorKind::Authentication);
         assert_eq!(kind_of("3D000"), ErrorKind::MissingDatabase);
+        assert_eq!(kind_of("42P01"), ErrorKind::MissingTable);
+        assert_eq!(kind_of("42703"), ErrorKind::MissingTable);
         assert_eq!(
             classify(&sqlx::Error::Protocol("unexpected message".into())),
             ErrorKind::Connection

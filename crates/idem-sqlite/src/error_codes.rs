@@ -29,11 +29,36 @@ pub fn kind_of(extended_code: i32) -> ErrorKind {
     }
 }
 
-/// Classifies a rusqlite error by its result code.
-pub fn classify(e: &rusqlite::Error) -> ErrorKind {
+/// The generic error: among others, a statement that names a missing table or column.
+pub const SQLITE_ERROR: i32 = 1;
+
+/// The failure SQLite reported, with its message: an error from a statement's execution
+/// (`SqliteFailure`) or from its preparation (`SqlInputError`, which also carries the
+/// statement).
+fn failure(e: &rusqlite::Error) -> Option<(&rusqlite::ffi::Error, Option<&str>)> {
     match e {
-        rusqlite::Error::SqliteFailure(f, _) => kind_of(f.extended_code),
-        _ => ErrorKind::Other,
+        rusqlite::Error::SqliteFailure(f, msg) => Some((f, msg.as_deref())),
+        rusqlite::Error::SqlInputError { error, msg, .. } => Some((error, Some(msg.as_str()))),
+        _ => None,
+    }
+}
+
+/// Whether a generic `SQLITE_ERROR` says a table or column is missing. SQLite has no
+/// result code of its own for it, so this one test reads the message: SQLite's messages
+/// are fixed English text, never localized (a unit test holds the bundled SQLite to
+/// these two prefixes).
+fn is_missing_table(f: &rusqlite::ffi::Error, msg: Option<&str>) -> bool {
+    f.extended_code == SQLITE_ERROR
+        && msg.is_some_and(|m| m.starts_with("no such table:") || m.starts_with("no such column:"))
+}
+
+/// Classifies a rusqlite error by its result code (and a missing table or column by
+/// the message of the generic `SQLITE_ERROR`, see [`ErrorKind::MissingTable`]).
+pub fn classify(e: &rusqlite::Error) -> ErrorKind {
+    match failure(e) {
+        Some((f, msg)) if is_missing_table(f, msg) => ErrorKind::MissingTable,
+        Some((f, _)) => kind_of(f.extended_code),
+        None => ErrorKind::Other,
     }
 }
 
@@ -49,10 +74,7 @@ pub fn is_window_guard(e: &rusqlite::Error) -> bool {
 /// Wraps a rusqlite error, keeping its extended result code.
 pub fn db_error(e: rusqlite::Error) -> DbError {
     let kind = classify(&e);
-    let code = match &e {
-        rusqlite::Error::SqliteFailure(f, _) => Some(f.extended_code.to_string()),
-        _ => None,
-    };
+    let code = failure(&e).map(|(f, _)| f.extended_code.to_string());
     let err = DbError::new("sqlite", kind, e.to_string());
     let err = match code {
         Some(code) => err.with_code(code),
@@ -85,6 +107,33 @@ mod tests {
             "NOT NULL/CHECK are not duplicates"
         );
         assert_eq!(kind_of(275), ErrorKind::Other, "SQLITE_CONSTRAINT_CHECK");
+    }
+
+    #[test]
+    fn missing_tables_and_columns_classify() {
+        let conn = rusqlite::Connection::open_in_memory().unwrap_or_else(|e| panic!("{e}"));
+        conn.execute_batch("CREATE TABLE t (k TEXT PRIMARY KEY)")
+            .unwrap_or_else(|e| panic!("{e}"));
+        for sql in [
+            "SELECT k FROM idem_request_result",
+            "DELETE FROM idem_outbox",
+            "SELECT missing FROM t",
+            "UPDATE t SET missing = 1",
+        ] {
+            let prepared = conn.prepare(sql).map(drop).unwrap_err();
+            let executed = conn.execute_batch(sql).unwrap_err();
+            for e in [prepared, executed] {
+                let err = db_error(e);
+                assert_eq!(
+                    (err.kind(), err.code()),
+                    (ErrorKind::MissingTable, Some("1")),
+                    "{sql}: {err}"
+                );
+            }
+        }
+        // Other generic errors stay unclassified.
+        let syntax = conn.prepare("SELEC 1").map(drop).unwrap_err();
+        assert_eq!(db_error(syntax).kind(), ErrorKind::Other);
     }
 
     #[test]
