@@ -36,6 +36,9 @@ pub(crate) const IN_PROGRESS: u8 = 11;
 /// Exit code for a lock on idem's table held by another session (not a call with this
 /// key) past the wait bound.
 pub(crate) const LOCK_WAIT: u8 = 12;
+/// Exit code for a table or column of idem's that the database does not have (the
+/// migrations have not run there, or not all of them).
+pub(crate) const MISSING_TABLE: u8 = 13;
 
 /// How long a command waits for the database to accept a connection.
 pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -58,7 +61,10 @@ Exit codes (the same on every engine):
       Oracle ORA-12514/ORA-12505, SQLite: the file cannot be opened)
   11  a call with the same key is still running (waited the wait bound); retry later
   12  a lock on idem's table held by another session (a schema change, LOCK TABLE,
-      a purge) kept the call waiting past the wait bound; retry later";
+      a purge) kept the call waiting past the wait bound; retry later
+  13  idem's tables not found: run `idem migrate` with the same URL (PostgreSQL
+      42P01/42703, MySQL 1146/1054, SQL Server 208/207, Oracle ORA-00942/ORA-00904,
+      SQLite: no such table or column)";
 
 /// The cargo features this binary was built with, as `idem --help` lists them.
 pub(crate) fn built_features() -> Vec<&'static str> {
@@ -129,6 +135,7 @@ pub(crate) fn code_of(e: &DbError) -> u8 {
         ErrorKind::Configuration => INVALID_INPUT,
         ErrorKind::Authentication => AUTHENTICATION,
         ErrorKind::MissingDatabase => MISSING_DATABASE,
+        ErrorKind::MissingTable => MISSING_TABLE,
         // SQLite has no server: failing to connect is failing to open the file.
         ErrorKind::Connection if e.engine() == "sqlite" => MISSING_DATABASE,
         ErrorKind::Connection => CANNOT_CONNECT,
@@ -158,7 +165,19 @@ pub(crate) async fn connect_within<T>(
 
 impl From<DbError> for Fail {
     fn from(e: DbError) -> Self {
-        Self::new(code_of(&e), e.to_string())
+        Self::new(code_of(&e), message_of(&e))
+    }
+}
+
+/// The line printed for a database error: the engine's words, and what to do when that
+/// is clear from its kind.
+pub(crate) fn message_of(e: &DbError) -> String {
+    match e.kind() {
+        ErrorKind::MissingTable => format!(
+            "{e}; run `idem migrate` with this URL first, or check that it names the \
+             database, schema and user that hold idem's tables"
+        ),
+        _ => e.to_string(),
     }
 }
 
@@ -181,6 +200,7 @@ impl From<Error<BankError>> for Fail {
             _ => OTHER,
         };
         let message = match &e {
+            Error::Backend(db) => message_of(db),
             Error::Effect(BankError::NoAccount(id)) => {
                 format!(
                     "no account {id}: create it with `idem demo account --id {id} --balance 1000`"
@@ -211,6 +231,7 @@ mod tests {
         assert_eq!(code("sqlite", ErrorKind::Connection), MISSING_DATABASE);
         assert_eq!(code("oracle", ErrorKind::Configuration), INVALID_INPUT);
         assert_eq!(code("mssql", ErrorKind::Deadlock), OTHER);
+        assert_eq!(code("sqlite", ErrorKind::MissingTable), MISSING_TABLE);
         for c in [
             OTHER,
             INVALID_INPUT,
@@ -220,7 +241,7 @@ mod tests {
         ] {
             assert!(EXIT_CODES_HELP.contains(&format!("\n  {c} ")), "{c}");
         }
-        for c in [MISSING_DATABASE, IN_PROGRESS, LOCK_WAIT] {
+        for c in [MISSING_DATABASE, IN_PROGRESS, LOCK_WAIT, MISSING_TABLE] {
             assert!(EXIT_CODES_HELP.contains(&format!("\n  {c}  ")), "{c}");
         }
     }

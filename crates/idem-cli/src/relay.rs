@@ -10,8 +10,7 @@ use idem::core::runs::OutboxRow;
 use idem::{Idem, Publisher};
 use idem_conformance::Bank;
 
-use crate::commands::connected;
-use crate::fail::{self, Fail};
+use crate::fail::{self, Fail, connect_within};
 
 /// What `idem relay --help` shows after the options.
 pub(crate) const RELAY_HELP: &str = "\
@@ -322,7 +321,9 @@ pub(crate) async fn relay<K: Bank>(url: &str, args: RelayArgs) -> Result<(), Fai
     let target = Target::from_args(&args)?;
     let shutdown = CancellationToken::new();
     cancel_on_signals(shutdown.clone())?;
-    let bank = connected::<K>(url).await?;
+    // The operator's database: idem's tables must be there already (`idem migrate`); the
+    // relay creates nothing, and none of the demo's tables.
+    let bank = connect_within(url, K::connect(url, None)).await?;
     let publisher = match target.connect().await {
         Ok(p) => p,
         Err(e) => {
@@ -333,7 +334,7 @@ pub(crate) async fn relay<K: Bank>(url: &str, args: RelayArgs) -> Result<(), Fai
     let idem = Idem::new(bank.backend().clone());
     let (published, result) = run_passes(&idem, &target, publisher, &args, &shutdown).await;
     let closed = bank.close().await;
-    if result.is_err() {
+    if result.is_err() && published > 0 {
         eprintln!("relay: published {published} before the failure");
     }
     result?;

@@ -171,6 +171,58 @@ fn the_same_failure_exits_with_the_same_code_on_every_engine() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// 13 on every engine: a database without idem's tables (the migrations never ran there)
+/// answers the operator's commands with the same code and the same advice, and none of
+/// them creates a table on the way (the relay once created idem's and the demo's).
+#[test]
+fn a_database_without_idems_tables_exits_13_on_every_engine() {
+    let dir = tempfile_dir("unmigrated");
+    let pg = parts(&postgres_url());
+    let my = parts(&mysql_url());
+    let sqlite = dir.join("unmigrated.db");
+    let urls = [
+        // A schema that does not exist, alone on the search path.
+        format!(
+            "{}://{}@{}/{}?options=-c%20search_path%3Didem_no_such_schema",
+            pg.scheme, pg.user, pg.host_port, pg.db
+        ),
+        // MySQL's own system database, which every server has and idem never writes.
+        format!("{}://{}@{}/mysql", my.scheme, my.user, my.host_port),
+        format!("sqlite://{}", sqlite.display()),
+    ];
+    // The relay reaches its broker (the shared NATS server), then finds no outbox.
+    let nats = std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let relay = ["relay", "--nats", nats.as_str(), "--once"];
+    for url in &urls {
+        for command in [&["outbox", "list"][..], &["purge"], &relay] {
+            let mut args = vec!["--url", url.as_str()];
+            args.extend_from_slice(command);
+            let out = idem(&dir, &args);
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(13), "{args:?}: {stderr}");
+            assert!(
+                stderr.starts_with("error: ")
+                    && stderr.trim_end().lines().count() == 1
+                    && stderr.contains("table or column not found")
+                    && stderr.contains("run `idem migrate` with this URL first"),
+                "{args:?}: {stderr:?}"
+            );
+        }
+    }
+    // Nothing was created on the way: every migration is still to apply, and then the
+    // same command succeeds.
+    let out = idem(&dir, &["--url", &urls[2], "migrate"]);
+    assert!(
+        text(&out.stdout).contains("applied migrations: [1, "),
+        "{}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    let out = idem(&dir, &["--url", &urls[2], "outbox", "list"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn a_wrong_protocol_port_fails_within_the_connect_timeout() {
     let dir = tempfile_dir("protocol");
@@ -352,6 +404,9 @@ fn help_lists_the_exit_codes_in_plain_words() {
         "18456",
         "ORA-01017",
         "  10  database not found",
+        "  13  idem's tables not found",
+        "42P01",
+        "1146",
         "3D000",
         "1049",
         "4060",
