@@ -9,8 +9,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use idem::core::{
-    Backend, Claim, Consumed, Error, ErrorKind, Idem, Identity, Key, MessageId, Operation, Outcome,
-    Principal, Request, Scope, Subscriber,
+    Backend, Claim, Consumed, DbError, Error, ErrorKind, Idem, Identity, Key, MessageId, Operation,
+    Outcome, Principal, Request, Scope, Subscriber,
 };
 use serde_json::{Value, json};
 
@@ -26,12 +26,24 @@ pub type Observations = Vec<(&'static str, String)>;
 /// A case's result.
 pub type CaseResult = Result<Observations, Failure>;
 
+/// What a case's fixture holds when the case starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fixture {
+    /// idem's migrations and the bank's tables, applied by [`Bank::setup`].
+    Migrated,
+    /// The private namespace alone: no table of idem's or the bank's (the case may call
+    /// [`Bank::setup`] itself).
+    Empty,
+}
+
 /// A registered case.
 pub struct Case<K> {
     /// The test name's second part (`postgres::<name>`).
     pub name: &'static str,
     /// The promise it proves.
     pub promise: &'static str,
+    /// What the fixture holds when the case starts.
+    pub fixture: Fixture,
     /// The case.
     pub run: fn(Arc<K>) -> idem::core::BoxFuture<'static, CaseResult>,
 }
@@ -48,116 +60,145 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
         Case {
             name: "effect_commits_with_record",
             promise: "record and effect commit in one transaction",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(effect_commits_with_record(k)),
         },
         Case {
             name: "replay_returns_stored_response",
             promise: "a retry returns the stored response, never a recomputed one",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(replay_returns_stored_response(k)),
         },
         Case {
             name: "different_request_rejected",
             promise: "same key, different request: rejected before any effect",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(different_request_rejected(k)),
         },
         Case {
             name: "failed_effect_rolls_back",
             promise: "a failed effect leaves no record; the key can be retried",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(failed_effect_rolls_back(k)),
         },
         Case {
             name: "concurrent_duplicates_execute_once",
             promise: "32 concurrent duplicates: one effect, losers wait and replay",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(concurrent_duplicates_execute_once(k)),
         },
         Case {
             name: "duplicates_arriving_at_commit_replay",
             promise: "duplicates arriving while the winner commits replay; none runs the effect again",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(duplicates_arriving_at_commit_replay(k)),
         },
         Case {
             name: "concurrent_takeover_after_rollback",
             promise: "a loser takes over when the winner rolls back",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(concurrent_takeover_after_rollback(k)),
         },
         Case {
             name: "scopes_are_independent",
             promise: "the same key under another principal or operation is independent",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(scopes_are_independent(k)),
         },
         Case {
             name: "keys_are_byte_exact",
             promise: "keys are 1-255 bytes, compared byte for byte; invalid keys write nothing",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(keys_are_byte_exact(k)),
         },
         Case {
             name: "canonical_request_and_response",
             promise: "key order never matters; stored JSON replays as stored",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(canonical_request_and_response(k)),
         },
         Case {
             name: "expired_record_no_longer_replays",
             promise: "after retention the key is accepted again",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(expired_record_no_longer_replays(k)),
         },
         Case {
             name: "effect_outliving_its_record_is_refused",
             promise: "a record that expires while its effect runs is not committed; nothing is stored",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(effect_outliving_its_record_is_refused(k)),
         },
         Case {
             name: "purge_deletes_only_expired_in_batches",
             promise: "purge deletes expired records in bounded batches, never a live one",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(purge_deletes_only_expired_in_batches(k)),
         },
         Case {
             name: "in_flight_answers_in_progress",
             promise: "a winner holding its key past the wait bound: losers get InProgress, then replay",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(in_flight_answers_in_progress(k)),
         },
         Case {
             name: "consumer_applies_once_per_subscriber",
             promise: "(subscriber, message_id) recorded with the effect, once per subscriber",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(consumer_applies_once_per_subscriber(k)),
         },
         Case {
             name: "consumer_payload_mismatch_rejected",
             promise: "a different payload under a known message ID is rejected",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(consumer_payload_mismatch_rejected(k)),
         },
         Case {
             name: "stored_rejection_is_opt_in",
             promise: "final rejections are stored only by explicit opt-in",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(stored_rejection_is_opt_in(k)),
         },
         Case {
             name: "primary_key_refuses_direct_insert",
             promise: "the schema's primary key refuses a second record",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(primary_key_refuses_direct_insert(k)),
+        },
+        Case {
+            name: "calls_before_the_migrations_fail_as_missing_table",
+            promise: "before the migrations a call fails as a missing table, runs no effect and creates nothing",
+            fixture: Fixture::Empty,
+            run: |k| Box::pin(calls_before_the_migrations_fail_as_missing_table(k)),
         },
         Case {
             name: "phased_run_resumes_at_its_recovery_point",
             promise: "a phased run whose owner died resumes at its last recovery point; one charge",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(external::phased_run_resumes_at_its_recovery_point(k)),
         },
         Case {
             name: "stale_owner_is_fenced",
             promise: "after a takeover the earlier owner's writes are refused and rolled back",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(external::stale_owner_is_fenced(k)),
         },
         Case {
             name: "lease_heartbeat_release_and_final_failure",
             promise: "a live lease answers InProgress, heartbeats renew it, release hands over",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(external::lease_heartbeat_release_and_final_failure(k)),
         },
         Case {
             name: "completer_finishes_stalled_runs",
             promise: "two completers at once finish every stalled run exactly once",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(external::completer_finishes_stalled_runs(k)),
         },
         Case {
             name: "run_rows_are_compare_and_set_by_owner_fence_and_point",
             promise: "a run's row changes only by compare-and-set on owner, fence and point; leases alone",
+            fixture: Fixture::Migrated,
             run: |k| {
                 Box::pin(crate::run_store::run_rows_are_compare_and_set_by_owner_fence_and_point(k))
             },
@@ -165,6 +206,7 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
         Case {
             name: "stalled_runs_are_unfinished_unexpired_and_lease_over",
             promise: "the completer lists only unfinished, unexpired runs whose lease ended",
+            fixture: Fixture::Migrated,
             run: |k| {
                 Box::pin(crate::run_store::stalled_runs_are_unfinished_unexpired_and_lease_over(k))
             },
@@ -172,6 +214,7 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
         Case {
             name: "purge_keeps_live_runs_and_unsent_messages",
             promise: "purge deletes expired runs and sent messages, never pending or dead ones",
+            fixture: Fixture::Migrated,
             run: |k| {
                 Box::pin(crate::run_store::purge_keeps_live_runs_and_unsent_messages(
                     k,
@@ -181,26 +224,31 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
         Case {
             name: "a_start_held_up_by_its_run_answers_in_progress",
             promise: "a start whose wait bound ran out on its run's row answers InProgress",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(crate::run_store::a_start_held_up_by_its_run_answers_in_progress(k)),
         },
         Case {
             name: "phased_steps_may_repeat_a_point",
             promise: "a step that commits the same point and state again is progress; retention must outlive the lease",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(external::phased_steps_may_repeat_a_point(k)),
         },
         Case {
             name: "lost_commit_replies_never_move_a_run_back",
             promise: "a commit whose reply was lost: the run never moves back, effects once, same answer",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(crate::lost_reply::lost_commit_replies_never_move_a_run_back(k)),
         },
         Case {
             name: "outbox_drains_in_order_skipping_locked",
             promise: "outbox relays publish each committed message once, in order per destination",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(external::outbox_drains_in_order_skipping_locked(k)),
         },
         Case {
             name: "outbox_failures_back_off_then_die",
             promise: "a refused message is retried with backoff, then dead; its destination then goes on in order",
+            fixture: Fixture::Migrated,
             run: |k| {
                 Box::pin(
                     crate::outbox_cases::outbox_failures_back_off_then_die_and_the_destination_goes_on(k),
@@ -210,11 +258,13 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
         Case {
             name: "outbox_operators_list_retry_and_drop",
             promise: "operators list, retry and drop unsent messages",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(crate::outbox_cases::outbox_operators_list_retry_and_drop(k)),
         },
         Case {
             name: "outbox_relay_dying_after_publishing_publishes_again",
             promise: "a relay killed between publish and record: published again, the attempt counted",
+            fixture: Fixture::Migrated,
             run: |k| {
                 Box::pin(
                     crate::outbox_cases::outbox_relay_dying_after_publishing_publishes_again(k),
@@ -224,16 +274,19 @@ pub fn all<K: Bank>() -> Vec<Case<K>> {
         Case {
             name: "outbox_unconfirmed_publish_times_out",
             promise: "a broker that never confirms: the publish times out, counted, not marked sent",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(crate::outbox_cases::outbox_unconfirmed_publish_times_out(k)),
         },
         Case {
             name: "relay_holds_no_lock_while_publishing",
             promise: "no transaction is open while the relay waits for the broker",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(crate::outbox_cases::relay_holds_no_lock_while_publishing(k)),
         },
         Case {
             name: "completion_drives_known_operations_only",
             promise: "maintenance completes stalled runs it has a step for, and touches no other",
+            fixture: Fixture::Migrated,
             run: |k| Box::pin(crate::maintain::completion_drives_known_operations_only(k)),
         },
     ]
@@ -1240,6 +1293,53 @@ pub async fn stored_rejection_is_opt_in<K: Bank>(bank: Arc<K>) -> CaseResult {
 }
 
 /// (j) A direct insert of an existing identity is refused by the primary key.
+/// A database where idem's migrations have not run: a call, a purge and the outbox's
+/// statistics fail with [`ErrorKind::MissingTable`], decided from the engine's own code,
+/// and the effect never runs. Nothing was created on the way: after the migrations the
+/// same call runs the effect once.
+pub async fn calls_before_the_migrations_fail_as_missing_table<K: Bank>(
+    bank: Arc<K>,
+) -> CaseResult {
+    let idem = idem(&*bank);
+    let scope = scope("account-1", "debit:v1")?;
+    let runs = counter();
+    let missing = |what: &str, e: Option<&DbError>| match e {
+        Some(e) if e.kind() == ErrorKind::MissingTable => {
+            Ok(e.code().unwrap_or("(none)").to_owned())
+        }
+        other => Err(fail(format!(
+            "{what} before the migrations: expected a missing table, got {other:?}"
+        ))),
+    };
+    let call = match debit::<K>(&idem, &scope, "checkout-42", 1, 100, &runs).await? {
+        Ok(outcome) => {
+            return Err(fail(format!(
+                "a call before the migrations succeeded: {outcome:?}"
+            )));
+        }
+        Err(e) => missing("a call", e.db_error())?,
+    };
+    expect_eq(
+        "effect runs before the migrations",
+        runs.load(Ordering::SeqCst),
+        0,
+    )?;
+    let purge = idem.purge(Duration::ZERO, 100).await;
+    missing("a purge", purge.as_ref().err())?;
+    let stats = idem.outbox_stats().await;
+    missing("the outbox's statistics", stats.as_ref().err())?;
+
+    bank.setup().await?;
+    bank.set_balance(1, 1000).await?;
+    executed(
+        "the same call after the migrations",
+        debit::<K>(&idem, &scope, "checkout-42", 1, 100, &runs).await?,
+        900,
+    )?;
+    expect_eq("effect runs", runs.load(Ordering::SeqCst), 1)?;
+    Ok(vec![("missing-table error code", call)])
+}
+
 pub async fn primary_key_refuses_direct_insert<K: Bank>(bank: Arc<K>) -> CaseResult {
     bank.set_balance(1, 1000).await?;
     let idem = idem(&*bank);

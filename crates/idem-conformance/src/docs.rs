@@ -34,6 +34,10 @@ const MSSQL_EXPECTED: &[(&str, &str)] = &[
         "no: READ COMMITTED readers block, or read the last committed version with READ_COMMITTED_SNAPSHOT",
     ),
     ("record visible to others before commit", "no (same reason)"),
+    (
+        "missing-table error code",
+        "208 (Invalid object name), per documentation",
+    ),
 ];
 
 /// What Oracle's documentation says the cases would observe.
@@ -49,6 +53,10 @@ const ORACLE_EXPECTED: &[(&str, &str)] = &[
         "no: readers see the last committed version (multiversion read consistency)",
     ),
     ("record visible to others before commit", "no (same reason)"),
+    (
+        "missing-table error code",
+        "ORA-00942 (table or view does not exist), per documentation",
+    ),
 ];
 
 /// What the engine's documentation says, for engines not run live here: the fixture's

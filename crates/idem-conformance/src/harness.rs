@@ -17,7 +17,7 @@ use idem::core::{
 };
 
 use crate::bank::{Balance, Bank, BankError, Capabilities};
-use crate::cases::{self, Case, CaseResult, Failure};
+use crate::cases::{self, Case, CaseResult, Failure, Fixture};
 
 /// Where a test target's engine is, or why it is skipped.
 #[derive(Debug, Clone)]
@@ -60,14 +60,19 @@ pub fn namespace(case: &str) -> String {
     )
 }
 
-/// Runs one case on a fresh, migrated fixture in its own namespace.
+/// Runs one case on a fresh fixture in its own namespace, migrated unless the case asks
+/// for an empty one ([`Fixture::Empty`]).
 pub async fn run_case<K: Bank>(url: &str, case: &Case<K>) -> CaseResult {
     let ns = namespace(case.name);
     let bank = K::connect(url, Some(&ns))
         .await
         .map_err(|e| -> Failure { format!("cannot connect to {}: {e}", K::ENGINE).into() })?;
     let bank = Arc::new(bank);
-    let result = match bank.setup().await {
+    let setup = match case.fixture {
+        Fixture::Migrated => bank.setup().await,
+        Fixture::Empty => Ok(()),
+    };
+    let result = match setup {
         Ok(()) => (case.run)(Arc::clone(&bank)).await,
         Err(e) => Err(format!("setup failed: {e}").into()),
     };
