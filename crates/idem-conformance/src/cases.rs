@@ -1293,6 +1293,36 @@ pub async fn stored_rejection_is_opt_in<K: Bank>(bank: Arc<K>) -> CaseResult {
 }
 
 /// (j) A direct insert of an existing identity is refused by the primary key.
+pub async fn primary_key_refuses_direct_insert<K: Bank>(bank: Arc<K>) -> CaseResult {
+    bank.set_balance(1, 1000).await?;
+    let idem = idem(&*bank);
+    let scope = scope("account-1", "debit:v1")?;
+    executed(
+        "debit",
+        debit::<K>(&idem, &scope, "checkout-42", 1, 100, &counter()).await?,
+        900,
+    )?;
+    let err = match bank
+        .insert_record_directly(
+            "account-1",
+            "debit:v1",
+            "checkout-42",
+            r#"{"amount":100}"#,
+            r#"{"balance":900}"#,
+        )
+        .await
+    {
+        Ok(()) => return Err(fail("the direct insert of an existing identity succeeded")),
+        Err(e) => e,
+    };
+    expect_eq("error kind", err.kind(), ErrorKind::UniqueViolation)?;
+    expect_eq("records", bank.count_records().await?, 1)?;
+    Ok(vec![(
+        "duplicate-key error code",
+        err.code().unwrap_or("(none)").to_owned(),
+    )])
+}
+
 /// A database where idem's migrations have not run: a call, a purge and the outbox's
 /// statistics fail with [`ErrorKind::MissingTable`], decided from the engine's own code,
 /// and the effect never runs. Nothing was created on the way: after the migrations the
@@ -1338,34 +1368,4 @@ pub async fn calls_before_the_migrations_fail_as_missing_table<K: Bank>(
     )?;
     expect_eq("effect runs", runs.load(Ordering::SeqCst), 1)?;
     Ok(vec![("missing-table error code", call)])
-}
-
-pub async fn primary_key_refuses_direct_insert<K: Bank>(bank: Arc<K>) -> CaseResult {
-    bank.set_balance(1, 1000).await?;
-    let idem = idem(&*bank);
-    let scope = scope("account-1", "debit:v1")?;
-    executed(
-        "debit",
-        debit::<K>(&idem, &scope, "checkout-42", 1, 100, &counter()).await?,
-        900,
-    )?;
-    let err = match bank
-        .insert_record_directly(
-            "account-1",
-            "debit:v1",
-            "checkout-42",
-            r#"{"amount":100}"#,
-            r#"{"balance":900}"#,
-        )
-        .await
-    {
-        Ok(()) => return Err(fail("the direct insert of an existing identity succeeded")),
-        Err(e) => e,
-    };
-    expect_eq("error kind", err.kind(), ErrorKind::UniqueViolation)?;
-    expect_eq("records", bank.count_records().await?, 1)?;
-    Ok(vec![(
-        "duplicate-key error code",
-        err.code().unwrap_or("(none)").to_owned(),
-    )])
 }
