@@ -135,7 +135,8 @@ struct Sourced<D: StdError + 'static> {
 }
 
 /// Two calls lock rows 1 and 2 in opposite order on their first attempt; one is the
-/// deadlock victim. Both must end `Executed`, the victim after a second attempt.
+/// deadlock victim. Both must end `Executed`, the victim after another attempt, each
+/// effect committed once.
 async fn deadlock_is_retried<K, E, M>(bank: &K, wrap: fn(K::Driver) -> E) -> Result<(), Failed>
 where
     K: Pair,
@@ -185,10 +186,15 @@ where
             other => return Err(format!("expected both calls to execute, got {other:?}").into()),
         }
     }
+    // Three at least: both first attempts and the victim's retry. A quick retry may
+    // deadlock with the winner once more (4 attempts: once in a CI run and once in five
+    // runs by hand, PostgreSQL 15.20, the trials in parallel), so more are allowed, as the
+    // module's documentation says; the sum and the records below still show each effect
+    // committed exactly once.
     let attempts = attempts.load(Ordering::SeqCst);
-    if attempts != 3 {
+    if attempts < 3 {
         return Err(
-            format!("{attempts} effect attempts; the victim must run exactly twice").into(),
+            format!("{attempts} effect attempts; the deadlock victim must have run again").into(),
         );
     }
     let sum = bank.sum().await?;
@@ -197,7 +203,7 @@ where
         return Err(format!("sum {sum} (want 4), records {records} (want 2)").into());
     }
     println!(
-        "{}: deadlock victim retried: 3 effect attempts, 2 executed, sum 4",
+        "{}: deadlock victim retried: {attempts} effect attempts, 2 executed, sum 4",
         K::ENGINE
     );
     Ok(())
