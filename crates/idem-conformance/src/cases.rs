@@ -1325,8 +1325,8 @@ pub async fn primary_key_refuses_direct_insert<K: Bank>(bank: Arc<K>) -> CaseRes
 
 /// A database where idem's migrations have not run: a call, a purge and the outbox's
 /// statistics fail with [`ErrorKind::MissingTable`], decided from the engine's own code,
-/// and the effect never runs. Nothing was created on the way: after the migrations the
-/// same call runs the effect once.
+/// and the effect never runs. Nothing was created on the way: the record table is still
+/// missing, and after the migrations the same call runs the effect once.
 pub async fn calls_before_the_migrations_fail_as_missing_table<K: Bank>(
     bank: Arc<K>,
 ) -> CaseResult {
@@ -1358,6 +1358,8 @@ pub async fn calls_before_the_migrations_fail_as_missing_table<K: Bank>(
     missing("a purge", purge.as_ref().err())?;
     let stats = idem.outbox_stats().await;
     missing("the outbox's statistics", stats.as_ref().err())?;
+    let records = bank.count_records().await;
+    missing("counting the records", records.as_ref().err())?;
 
     bank.setup().await?;
     bank.set_balance(1, 1000).await?;
