@@ -131,13 +131,18 @@ impl Fail {
 
 /// The exit code of a database error, from its kind.
 pub(crate) fn code_of(e: &DbError) -> u8 {
-    match e.kind() {
+    code_for(e.engine(), e.kind())
+}
+
+/// The exit code of an error of `kind` from `engine`.
+pub(crate) fn code_for(engine: &str, kind: ErrorKind) -> u8 {
+    match kind {
         ErrorKind::Configuration => INVALID_INPUT,
         ErrorKind::Authentication => AUTHENTICATION,
         ErrorKind::MissingDatabase => MISSING_DATABASE,
         ErrorKind::MissingTable => MISSING_TABLE,
         // SQLite has no server: failing to connect is failing to open the file.
-        ErrorKind::Connection if e.engine() == "sqlite" => MISSING_DATABASE,
+        ErrorKind::Connection if engine == "sqlite" => MISSING_DATABASE,
         ErrorKind::Connection => CANNOT_CONNECT,
         _ => OTHER,
     }
@@ -172,12 +177,17 @@ impl From<DbError> for Fail {
 /// The line printed for a database error: the engine's words, and what to do when that
 /// is clear from its kind.
 pub(crate) fn message_of(e: &DbError) -> String {
-    match e.kind() {
+    with_advice(e.to_string(), e.kind())
+}
+
+/// `message`, followed by what to do about an error of `kind` when that is clear.
+pub(crate) fn with_advice(message: String, kind: ErrorKind) -> String {
+    match kind {
         ErrorKind::MissingTable => format!(
-            "{e}; run `idem migrate` with this URL first, or check that it names the \
+            "{message}; run `idem migrate` with this URL first, or check that it names the \
              database, schema and user that hold idem's tables"
         ),
-        _ => e.to_string(),
+        _ => message,
     }
 }
 

@@ -4,13 +4,15 @@
 //! take over within one interval when it dies. It knows no operation's step, so it
 //! drives no stalled run: a service that does embeds the loop with its steps.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Args;
 use idem::core::maintain::{
-    self, Completion, DEFAULT_LOCK_NAME, Event, LeaderLock, Maintainer, Purge, TickReport,
+    self, Completion, DEFAULT_LOCK_NAME, Event, LeaderLock, Maintainer, Purge, TaskError,
+    TickReport,
 };
+use idem::core::observe::cause_label;
 use idem::{Backend, DbError, Idem, Maintenance, OutboxStore};
 use idem_conformance::Bank;
 use serde_json::{Value, json};
@@ -48,7 +50,10 @@ OUTPUT:
   included: {\"event\": \"acquired\" | \"tick\" | \"lost\" | \"releasing\" | \"lock_error\" |
   \"stopped\", \"at_ms\": Unix milliseconds, \"pid\": …, …}.
   SIGINT or SIGTERM: the task in hand finishes, the lock is released, exit 0.
-  --ticks N stops after N ticks (N = 1: one elected pass, for a scheduler).";
+  --ticks N stops after N ticks (N = 1: one elected pass, for a scheduler). A --ticks
+  run in which a task failed or the lock could not be tried exits with the last
+  failure's code (13: idem's tables not found, 7: the connection was lost, ...) and
+  says it on stderr; one in which another instance was the runner exits 0.";
 
 /// The options of `idem maintain`.
 #[derive(Debug, Args)]
@@ -215,7 +220,8 @@ fn tick_json(t: &TickReport) -> Value {
                 "more": task.work.more,
                 "counts": counts,
                 "problems": task.work.problems,
-                "error": task.error,
+                "error": task.error.as_ref().map(|e| e.message.as_str()),
+                "error_kind": task.error.as_ref().map(|e| cause_label(e.kind)),
                 "ms": u64::try_from(task.took.as_millis()).unwrap_or(u64::MAX),
             })
         })
@@ -262,11 +268,53 @@ fn tick_text(t: &TickReport) -> String {
     line
 }
 
-/// Prints events; counts ticks for `--ticks`.
+/// The failures seen by a run: how many, and the last as its exit code and line.
+#[derive(Debug, Default)]
+struct Failures {
+    count: u64,
+    last: Option<Fail>,
+}
+
+impl Failures {
+    fn record(failures: &Mutex<Self>, fail: Fail) {
+        // A poisoned lock only means a panic elsewhere; the counts are still usable.
+        let mut f = failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        f.count += 1;
+        f.last = Some(fail);
+    }
+
+    /// A task's failure in tick `tick` on `engine`.
+    fn task(engine: &str, tick: u64, task: &str, e: &TaskError) -> Fail {
+        Fail::new(
+            fail::code_for(engine, e.kind),
+            fail::with_advice(format!("tick {tick}: {task}: {}", e.message), e.kind),
+        )
+    }
+
+    /// What a `--ticks` run that saw failures exits with.
+    fn outcome(self, ticks: u64) -> Result<(), Fail> {
+        match self.last {
+            None => Ok(()),
+            Some(last) => Err(Fail::new(
+                last.code,
+                format!(
+                    "maintain: {} failure(s) in {ticks} tick(s); the last: {}",
+                    self.count, last.message
+                ),
+            )),
+        }
+    }
+}
+
+/// Prints events; counts ticks for `--ticks` and records failures in `failures`.
 fn printer(
+    engine: &'static str,
     json_lines: bool,
     stop_after: Option<u64>,
     done: Arc<Notify>,
+    failures: Arc<Mutex<Failures>>,
 ) -> impl FnMut(&Event<'_>) + Send {
     let pid = std::process::id();
     let mut ticks = 0u64;
@@ -287,12 +335,30 @@ fn printer(
                 json!({"event": "releasing"}),
                 Some("maintain: stopping; releasing the lock".to_owned()),
             ),
-            Event::LockError { error } => (
-                json!({"event": "lock_error", "error": error.to_string()}),
-                Some(format!("maintain: the lock could not be tried: {error}")),
-            ),
+            Event::LockError { error } => {
+                Failures::record(
+                    &failures,
+                    Fail::new(
+                        fail::code_of(error),
+                        format!(
+                            "tick {}: the lock could not be tried: {}",
+                            ticks + 1,
+                            fail::message_of(error)
+                        ),
+                    ),
+                );
+                (
+                    json!({"event": "lock_error", "error": error.to_string()}),
+                    Some(format!("maintain: the lock could not be tried: {error}")),
+                )
+            }
             Event::Tick(t) => {
                 ticks += 1;
+                for task in &t.tasks {
+                    if let Some(e) = &task.error {
+                        Failures::record(&failures, Failures::task(engine, t.number, task.name, e));
+                    }
+                }
                 // Text mode stays quiet on a runner's idle ticks.
                 let busy = t.skipped > 0
                     || t.tasks.iter().any(|task| {
@@ -342,6 +408,7 @@ where
     let broker = broker(&args)?;
     let bank = connect_within(url, K::connect(url, None)).await?;
     let backend = bank.backend().clone();
+    let engine = backend.engine();
     let lock = backend.lock(&args.lock_name).map_err(|e| {
         Fail::new(
             if e.kind() == idem::ErrorKind::Configuration {
@@ -400,9 +467,21 @@ where
             }
         );
     }
-    let maintainer = maintainer.on_event(printer(args.json, args.ticks, done));
+    let failures = Arc::new(Mutex::new(Failures::default()));
+    let maintainer = maintainer.on_event(printer(
+        engine,
+        args.json,
+        args.ticks,
+        done,
+        Arc::clone(&failures),
+    ));
     let ran = maintainer.run(stop).await;
     let closed = bank.close().await;
+    let failures = std::mem::take(
+        &mut *failures
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    );
     if args.json {
         println!(
             "{}",
@@ -412,6 +491,7 @@ where
                 "runner_ticks": ran.runner_ticks,
                 "acquired": ran.acquired,
                 "lost": ran.lost,
+                "failures": failures.count,
                 "at_ms": now_ms(),
                 "pid": std::process::id(),
             })
@@ -421,6 +501,11 @@ where
             "maintain: stopped after {} tick(s), {} as the runner",
             ran.ticks, ran.runner_ticks
         );
+    }
+    // A --ticks run is a scheduler's job: its exit code says whether its work failed. An
+    // endless run is stopped by a signal; its failures are in its output and metrics.
+    if args.ticks.is_some() {
+        failures.outcome(ran.ticks)?;
     }
     closed.map_err(Fail::from)
 }
@@ -465,5 +550,63 @@ mod tests {
         assert_eq!(v["runner"], true);
         assert_eq!(v["tasks"][0]["counts"]["requests"], 5);
         assert_eq!(v["tasks"][0]["ms"], 7);
+        assert_eq!(v["tasks"][0]["error"], Value::Null);
+        assert_eq!(v["tasks"][0]["error_kind"], Value::Null);
+
+        let failed = TickReport {
+            tasks: vec![TaskReport {
+                name: "complete",
+                work: Work::default(),
+                error: Some(TaskError {
+                    kind: idem::ErrorKind::MissingTable,
+                    message: "sqlite table or column not found (1): no such table: x".into(),
+                }),
+                took: Duration::ZERO,
+            }],
+            skipped: 0,
+            ..t
+        };
+        assert_eq!(
+            tick_text(&failed),
+            "tick 3 (runner): complete: failed: sqlite table or column not found (1): no such table: x"
+        );
+        let v = tick_json(&failed);
+        assert_eq!(
+            v["tasks"][0]["error"],
+            "sqlite table or column not found (1): no such table: x"
+        );
+        assert_eq!(v["tasks"][0]["error_kind"], "missing_table");
+    }
+
+    #[test]
+    fn a_ticks_run_exits_with_its_last_failure() {
+        assert!(Failures::default().outcome(1).is_ok());
+        let failures = Mutex::new(Failures::default());
+        let error = |kind| TaskError {
+            kind,
+            message: "the error".into(),
+        };
+        for (engine, task, kind) in [
+            ("sqlite", "complete", idem::ErrorKind::Connection),
+            ("postgres", "purge", idem::ErrorKind::MissingTable),
+        ] {
+            Failures::record(&failures, Failures::task(engine, 2, task, &error(kind)));
+        }
+        let f = failures.into_inner().unwrap().outcome(2).unwrap_err();
+        assert_eq!(f.code, fail::MISSING_TABLE);
+        assert!(
+            f.message.starts_with(
+                "maintain: 2 failure(s) in 2 tick(s); the last: tick 2: purge: the error; \
+                 run `idem migrate` with this URL first"
+            ),
+            "{}",
+            f.message
+        );
+        // SQLite's lost connection is a file that cannot be opened, as for every command.
+        let f = Failures::task("sqlite", 1, "purge", &error(idem::ErrorKind::Connection));
+        assert_eq!(
+            (f.code, f.message.as_str()),
+            (fail::MISSING_DATABASE, "tick 1: purge: the error")
+        );
     }
 }

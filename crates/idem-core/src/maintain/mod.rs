@@ -68,7 +68,7 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use crate::backend::Backend;
-use crate::error::DbError;
+use crate::error::{DbError, ErrorKind};
 use crate::protocol::{BoxFuture, Idem};
 
 pub use tasks::{Completion, CompletionReport, Purge, Relay};
@@ -128,9 +128,35 @@ pub struct TaskReport {
     /// What it did (empty when it failed).
     pub work: Work,
     /// Why it failed; the next tick tries again.
-    pub error: Option<String>,
+    pub error: Option<TaskError>,
     /// How long it took.
     pub took: Duration,
+}
+
+/// Why a task failed in one tick: the error's kind, which every engine decides from its
+/// own code (a scheduler can tell "the migrations have not run" from "the database is
+/// unreachable" on every engine alike), and its message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskError {
+    /// The error's kind.
+    pub kind: ErrorKind,
+    /// The error, as [`DbError`]'s `Display` gives it (engine, kind, code, message).
+    pub message: String,
+}
+
+impl From<&DbError> for TaskError {
+    fn from(e: &DbError) -> Self {
+        Self {
+            kind: e.kind(),
+            message: e.to_string(),
+        }
+    }
+}
+
+impl fmt::Display for TaskError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)
+    }
 }
 
 /// One tick of the loop.
@@ -421,7 +447,7 @@ impl<B: Backend, L: LeaderLock> Maintainer<B, L> {
                 Err(_) => {
                     let e = DbError::new(
                         engine,
-                        crate::ErrorKind::Connection,
+                        ErrorKind::Connection,
                         format!(
                             "trying the maintenance lock took longer than {:?}",
                             self.lock_timeout
@@ -472,14 +498,20 @@ impl<B: Backend, L: LeaderLock> Maintainer<B, L> {
             let took = began.elapsed();
             let (work, error) = match result {
                 Ok(work) => (work, None),
-                Err(e) => (Work::default(), Some(e.to_string())),
+                Err(e) => (Work::default(), Some(TaskError::from(&e))),
             };
             span.record(
                 crate::observe::FIELD_OUTCOME,
                 if error.is_some() { "error" } else { "ok" },
             );
             span.record("work", work.done);
-            signals::task(engine, name, work.done, error.as_deref(), took);
+            signals::task(
+                engine,
+                name,
+                work.done,
+                error.as_ref().map(|e| e.message.as_str()),
+                took,
+            );
             report.tasks.push(TaskReport {
                 name,
                 work,
