@@ -41,28 +41,24 @@ MESSAGE FORMAT (any AMQP 0-9-1 or NATS client can produce it):
   connection again within --reconnect-for seconds) exits 1, and the messages in hand are
   redelivered.";
 
-/// Where `idem consume` reads from.
+/// Where `idem consume` reads from: one broker, with its queue or stream.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("broker").args(["amqp", "nats"]).required(true)))]
 pub(crate) struct ConsumeArgs {
     /// RabbitMQ URL (amqp://user:pass@host:5672/vhost): consume --queue.
-    #[arg(
-        long,
-        value_name = "URL",
-        required_unless_present = "nats",
-        conflicts_with = "nats"
-    )]
+    #[arg(long, value_name = "URL", requires = "queue")]
     amqp: Option<String>,
     /// The queue (durable, no arguments; declared that way when missing).
-    #[arg(long, requires = "amqp", required_unless_present = "nats")]
+    #[arg(long, requires = "amqp", conflicts_with = "nats")]
     queue: Option<String>,
     /// NATS URL (nats://host:4222): consume --stream through the durable --consumer.
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", requires_all = ["stream", "consumer"])]
     nats: Option<String>,
     /// The JetStream stream (created by others).
-    #[arg(long, requires = "nats", required_unless_present = "amqp")]
+    #[arg(long, requires = "nats", conflicts_with = "amqp")]
     stream: Option<String>,
     /// The durable JetStream consumer (created when missing).
-    #[arg(long, requires = "nats", required_unless_present = "amqp")]
+    #[arg(long, requires = "nats", conflicts_with = "amqp")]
     consumer: Option<String>,
     /// The subscriber: its own record per message ID.
     #[arg(long)]
@@ -79,7 +75,7 @@ pub(crate) struct ConsumeArgs {
     #[arg(long, value_name = "SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     ack_wait: u64,
     /// NATS: the subject filter of a consumer created here (default: the whole stream).
-    #[arg(long, requires = "nats")]
+    #[arg(long, requires = "nats", conflicts_with = "amqp")]
     filter_subject: Option<String>,
     /// NATS: where the message ID comes from.
     #[arg(long, value_enum, default_value_t = NatsId::Header)]
@@ -332,25 +328,21 @@ async fn run_broker<B: idem::Backend, H: Handler<B>>(
     }
 }
 
-/// What `idem publish` sends.
+/// What `idem publish` sends, and to which broker.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("broker").args(["amqp", "nats"]).required(true)))]
 pub(crate) struct PublishArgs {
     /// RabbitMQ URL: publish to --queue (declared durable when missing).
-    #[arg(
-        long,
-        value_name = "URL",
-        required_unless_present = "nats",
-        conflicts_with = "nats"
-    )]
+    #[arg(long, value_name = "URL", requires = "queue")]
     amqp: Option<String>,
     /// The queue.
-    #[arg(long, requires = "amqp", required_unless_present = "nats")]
+    #[arg(long, requires = "amqp", conflicts_with = "nats")]
     queue: Option<String>,
     /// NATS URL: publish through JetStream to --subject (a stream must capture it).
-    #[arg(long, value_name = "URL")]
+    #[arg(long, value_name = "URL", requires = "subject")]
     nats: Option<String>,
     /// The subject.
-    #[arg(long, requires = "nats", required_unless_present = "amqp")]
+    #[arg(long, requires = "nats", conflicts_with = "amqp")]
     subject: Option<String>,
     /// A message ID; repeat the option for several messages, or repeat an ID to publish a
     /// duplicate on purpose. Without any, one message without an ID is published.

@@ -376,3 +376,75 @@ fn main() -> ExitCode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::Cli;
+    use clap::Parser;
+    use clap::error::ErrorKind;
+
+    fn parse(args: &str) -> Result<Cli, ErrorKind> {
+        Cli::try_parse_from(args.split_whitespace()).map_err(|e| e.kind())
+    }
+
+    /// An option of one broker (or of one selection) is refused beside the other, and a
+    /// command that needs a broker says it needs one of the two. clap does not enforce a
+    /// `requires` whose target conflicts with an option given, so such an option names
+    /// the conflict too (without it, `--exchange` beside `--nats` was silently ignored,
+    /// and so was `--destination` beside `--id`).
+    #[test]
+    #[cfg(all(feature = "amqp", feature = "nats"))]
+    fn options_of_one_broker_or_selection_are_refused_with_the_other() {
+        use ErrorKind::{ArgumentConflict, MissingRequiredArgument};
+        for (args, kind) in [
+            ("idem relay", MissingRequiredArgument),
+            ("idem relay --amqp a --nats n", ArgumentConflict),
+            ("idem relay --exchange e --nats n", ArgumentConflict),
+            ("idem maintain --exchange e --nats n", ArgumentConflict),
+            ("idem demo consume --subscriber s", MissingRequiredArgument),
+            (
+                "idem demo consume --subscriber s --amqp a",
+                MissingRequiredArgument,
+            ),
+            (
+                "idem demo consume --subscriber s --nats n --stream s",
+                MissingRequiredArgument,
+            ),
+            (
+                "idem demo consume --subscriber s --queue q --nats n --stream s --consumer c",
+                ArgumentConflict,
+            ),
+            (
+                "idem demo consume --subscriber s --amqp a --queue q --filter-subject f",
+                ArgumentConflict,
+            ),
+            ("idem demo publish", MissingRequiredArgument),
+            (
+                "idem demo publish --queue q --nats n --subject s",
+                ArgumentConflict,
+            ),
+            (
+                "idem demo publish --amqp a --queue q --subject s",
+                ArgumentConflict,
+            ),
+            ("idem outbox retry", MissingRequiredArgument),
+            ("idem outbox drop --id 1 --dead", ArgumentConflict),
+            ("idem outbox drop --id 1 --destination d", ArgumentConflict),
+        ] {
+            assert_eq!(parse(args).err(), Some(kind), "{args}");
+        }
+        for args in [
+            "idem relay --nats n",
+            "idem relay --amqp a --exchange e",
+            "idem maintain",
+            "idem maintain --amqp a --exchange e",
+            "idem demo consume --subscriber s --amqp a --queue q",
+            "idem demo consume --subscriber s --nats n --stream s --consumer c --filter-subject f",
+            "idem demo publish --nats n --subject s",
+            "idem outbox retry --id 1 --id 2",
+            "idem outbox drop --dead --destination d",
+        ] {
+            assert!(parse(args).is_ok(), "{args}: {:?}", parse(args).err());
+        }
+    }
+}

@@ -96,7 +96,7 @@ pub(crate) struct MaintainArgs {
     #[arg(long, value_name = "URL", conflicts_with = "nats")]
     amqp: Option<String>,
     /// RabbitMQ: publish to this existing exchange instead of the default one.
-    #[arg(long, value_name = "NAME", requires = "amqp")]
+    #[arg(long, value_name = "NAME", requires = "amqp", conflicts_with = "nats")]
     exchange: Option<String>,
     /// Relay the outbox to NATS JetStream (nats://host:4222), as `idem relay`.
     #[arg(long, value_name = "URL")]

@@ -67,20 +67,16 @@ enum OutboxCommand {
 /// Which messages `retry` and `drop` act on.
 #[derive(Debug, Args)]
 #[group(skip)]
+#[command(group(clap::ArgGroup::new("which").args(["ids", "dead"]).required(true)))]
 struct Selection {
     /// A message's id (as `list` shows it); repeat for several.
-    #[arg(
-        long = "id",
-        value_name = "ID",
-        required_unless_present = "dead",
-        conflicts_with = "dead"
-    )]
+    #[arg(long = "id", value_name = "ID")]
     ids: Vec<i64>,
     /// Every dead message.
     #[arg(long)]
     dead: bool,
     /// With --dead: only this destination's.
-    #[arg(long, value_name = "NAME", requires = "dead")]
+    #[arg(long, value_name = "NAME", requires = "dead", conflicts_with = "ids")]
     destination: Option<String>,
 }
 

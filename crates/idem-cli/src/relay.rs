@@ -39,20 +39,16 @@ WHAT IS PUBLISHED:
   A broker that cannot be reached at start exits 7 (as a database does); a failure
   during an --once run exits 1 (what was confirmed before it is marked sent).";
 
-/// Where `idem relay` publishes.
+/// Where `idem relay` publishes: one broker.
 #[derive(Debug, Args)]
+#[command(group(clap::ArgGroup::new("broker").args(["amqp", "nats"]).required(true)))]
 pub(crate) struct RelayArgs {
     /// RabbitMQ URL (amqp://user:pass@host:5672/vhost).
-    #[arg(
-        long,
-        value_name = "URL",
-        required_unless_present = "nats",
-        conflicts_with = "nats"
-    )]
+    #[arg(long, value_name = "URL")]
     amqp: Option<String>,
     /// RabbitMQ: publish to this existing exchange (routed by its bindings, the
     /// destination as routing key) instead of the default exchange; no queue is declared.
-    #[arg(long, value_name = "NAME", requires = "amqp")]
+    #[arg(long, value_name = "NAME", requires = "amqp", conflicts_with = "nats")]
     exchange: Option<String>,
     /// NATS URL (nats://host:4222).
     #[arg(long, value_name = "URL")]
