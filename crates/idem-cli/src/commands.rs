@@ -55,9 +55,9 @@ pub(crate) async fn migrate(url: &str, distribute_citus: bool) -> Result<(), Fai
     let backend = connect_within(url, AnyBackend::connect(url)).await?;
     let applied = backend.migrate().await?;
     if applied.is_empty() {
-        println!("schema is up to date");
+        say!("schema is up to date");
     } else {
-        println!("applied migrations: {applied:?}");
+        say!("applied migrations: {applied:?}");
     }
     if distribute_citus {
         distribute(&backend).await?;
@@ -71,7 +71,7 @@ async fn distribute(backend: &AnyBackend) -> Result<(), Fail> {
         #[cfg(feature = "postgres")]
         AnyBackend::Postgres(pg) => {
             for placement in pg.distribute().await? {
-                println!("{placement}");
+                say!("{placement}");
             }
             Ok(())
         }
@@ -102,14 +102,17 @@ pub(crate) async fn purge(url: &str, older_than: Option<Duration>, batch: u32) -
     let kept = older_than.map_or(String::new(), |d| {
         format!(" (records written less than {}s ago kept)", d.as_secs_f64())
     });
-    println!(
+    say!(
         "deleted {} expired request records and {} expired processed messages in {} statements{kept}",
-        report.requests, report.messages, report.batches
+        report.requests,
+        report.messages,
+        report.batches
     );
     if report.runs > 0 || report.outbox > 0 {
-        println!(
+        say!(
             "deleted {} expired phased runs and {} sent outbox messages",
-            report.runs, report.outbox
+            report.runs,
+            report.outbox
         );
     }
     Ok(())
@@ -130,7 +133,7 @@ pub(crate) async fn connected<K: Bank>(url: &str) -> Result<K, Fail> {
 }
 
 pub(crate) async fn check<K: Bank>(url: &str, json_out: Option<&Path>) -> Result<(), Fail> {
-    println!("idem check: {} at {}", K::ENGINE, idem::redact(url));
+    say!("idem check: {} at {}", K::ENGINE, idem::redact(url));
     probe::<K>(url).await?;
     let total = cases::all::<K>().len();
     // Drawn on stderr, and only when it is a terminal: piped output stays plain.
@@ -140,25 +143,25 @@ pub(crate) async fn check<K: Bank>(url: &str, json_out: Option<&Path>) -> Result
     }
     let report = harness::check::<K>(url, |row| {
         bar.suspend(|| match &row.failure {
-            None => println!("  pass  {:<40} {:>6} ms", row.name, row.millis),
-            Some(why) => println!("  FAIL  {:<40} {:>6} ms  {why}", row.name, row.millis),
+            None => say!("  pass  {:<40} {:>6} ms", row.name, row.millis),
+            Some(why) => say!("  FAIL  {:<40} {:>6} ms  {why}", row.name, row.millis),
         });
         bar.inc(1);
     })
     .await;
     bar.finish_and_clear();
     let report = report.map_err(|e| Fail::new(fail::OTHER, e.to_string()))?;
-    println!("server: {}", report.server);
-    println!("documented behaviour:");
+    say!("server: {}", report.server);
+    say!("documented behaviour:");
     for (what, how) in &report.capabilities {
-        println!("  {what}: {how}");
+        say!("  {what}: {how}");
     }
-    println!("observed:");
+    say!("observed:");
     for (what, how) in report.cases.iter().flat_map(|c| c.observations.iter()) {
-        println!("  {what}: {how}");
+        say!("  {what}: {how}");
     }
     let failed = report.cases.iter().filter(|c| c.failure.is_some()).count();
-    println!(
+    say!(
         "check: {} passed, {failed} failed",
         report.cases.len() - failed
     );
@@ -199,9 +202,9 @@ pub(crate) fn docs(paths: &[PathBuf], out: Option<&Path>) -> Result<(), Fail> {
         Some(out) => {
             std::fs::write(out, markdown)
                 .map_err(|e| Fail::new(1, format!("cannot write {}: {e}", out.display())))?;
-            println!("wrote {}", out.display());
+            say!("wrote {}", out.display());
         }
-        None => print!("{markdown}"),
+        None => crate::out::write(format_args!("{markdown}")),
     }
     Ok(())
 }

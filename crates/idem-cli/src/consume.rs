@@ -250,7 +250,7 @@ pub(crate) async fn consume<K: Bank>(url: &str, args: ConsumeArgs) -> Result<(),
     let result = running.await;
     bank.close().await?;
     let stats = result?;
-    println!(
+    say!(
         "{}",
         json!({
             "delivered": stats.delivered,

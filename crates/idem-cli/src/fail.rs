@@ -64,7 +64,9 @@ Exit codes (the same on every engine):
       a purge) kept the call waiting past the wait bound; retry later
   13  idem's tables not found: run `idem migrate` with the same URL (PostgreSQL
       42P01/42703, MySQL 1146/1054, SQL Server 208/207, Oracle ORA-00942/ORA-00904,
-      SQLite: no such table or column)";
+      SQLite: no such table or column)
+  141 the output's reader went away (`| head`): the command stopped at that line,
+      as SIGPIPE stops a Unix tool";
 
 /// The cargo features this binary was built with, as `idem --help` lists them.
 pub(crate) fn built_features() -> Vec<&'static str> {

@@ -5,6 +5,9 @@
 //! Each command lives in its own module and is one variant of [`Command`] plus one arm
 //! in [`run`]; the demo's commands are in [`demo`].
 
+// Every line goes through `say!` (module `out`), which ends quietly when stdout's
+// reader has gone; `println!` would panic.
+#![deny(clippy::print_stdout)]
 // Built without any engine feature, only `docs` (and `bench --chart-only`) can run: the
 // engine dispatch has no arms, so what it would pass on is unused.
 #![cfg_attr(
@@ -52,6 +55,10 @@ macro_rules! with_bank {
         }
     }};
 }
+
+// First: the modules below print through its `say!`.
+#[macro_use]
+mod out;
 
 #[cfg(feature = "bench")]
 mod bench;
@@ -349,7 +356,7 @@ fn main() -> ExitCode {
             if e.use_stderr() {
                 eprint!("{text}");
             } else {
-                print!("{text}");
+                out::write(format_args!("{text}"));
             }
             return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(fail::INVALID_INPUT));
         }

@@ -375,9 +375,9 @@ fn printer(
                 m.insert("at_ms".into(), Value::from(at_ms));
                 m.insert("pid".into(), Value::from(pid));
             }
-            println!("{object}");
+            say!("{object}");
         } else if let Some(text) = text {
-            println!("{text}");
+            say!("{text}");
         }
         if stop_after.is_some_and(|n| ticks >= n) {
             done.notify_one();
@@ -455,7 +455,7 @@ where
         plan.push("purge".to_owned());
     }
     if !args.json {
-        println!(
+        say!(
             "maintain: lock {:?} on {}, every {:?}: {}",
             args.lock_name,
             idem::redact(url),
@@ -483,7 +483,7 @@ where
             .unwrap_or_else(std::sync::PoisonError::into_inner),
     );
     if args.json {
-        println!(
+        say!(
             "{}",
             json!({
                 "event": "stopped",
@@ -497,9 +497,10 @@ where
             })
         );
     } else {
-        println!(
+        say!(
             "maintain: stopped after {} tick(s), {} as the runner",
-            ran.ticks, ran.runner_ticks
+            ran.ticks,
+            ran.runner_ticks
         );
     }
     // A --ticks run is a scheduler's job: its exit code says whether its work failed. An

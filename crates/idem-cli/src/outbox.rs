@@ -113,11 +113,11 @@ async fn dispatch<B: OutboxStore>(idem: &Idem<B>, command: OutboxCommand) -> Res
             let stats = idem.outbox_stats().await?;
             let entries = idem.outbox_list(&filter).await?;
             if json {
-                println!("{}", as_json(&stats, &entries));
+                say!("{}", as_json(&stats, &entries));
             } else {
-                println!("{}", backlog_line(&stats));
+                say!("{}", backlog_line(&stats));
                 for e in &entries {
-                    println!("{}", entry_line(e));
+                    say!("{}", entry_line(e));
                 }
             }
             Ok(())
@@ -126,14 +126,14 @@ async fn dispatch<B: OutboxStore>(idem: &Idem<B>, command: OutboxCommand) -> Res
             let n = idem
                 .outbox_retry(&selection.ids, selection.destination.as_deref())
                 .await?;
-            println!("retried {n}");
+            say!("retried {n}");
             Ok(())
         }
         OutboxCommand::Drop(selection) => {
             let n = idem
                 .outbox_drop(&selection.ids, selection.destination.as_deref())
                 .await?;
-            println!("dropped {n}");
+            say!("dropped {n}");
             Ok(())
         }
     }

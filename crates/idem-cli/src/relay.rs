@@ -335,7 +335,7 @@ pub(crate) async fn relay<K: Bank>(url: &str, args: RelayArgs) -> Result<(), Fai
     }
     result?;
     closed.map_err(Fail::from)?;
-    println!("published {published}");
+    say!("published {published}");
     Ok(())
 }
 

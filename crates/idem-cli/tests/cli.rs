@@ -312,6 +312,57 @@ fn a_maintain_ticks_run_exits_with_its_work() {
     );
 }
 
+/// Output whose reader has gone ends the command quietly, as SIGPIPE ends a Unix tool
+/// (141, nothing on stderr), instead of `println!`'s panic (101 and a panic message);
+/// output that cannot be written otherwise (a full device) is one error line and 1.
+#[test]
+fn a_closed_or_full_stdout_ends_the_command_without_a_panic() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile_dir("stdout");
+    let url = format!("sqlite://{}", dir.join("o.db").display());
+    // `idem check` prints a line per case for a few seconds: read the first, then close.
+    let mut check = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--url", &url, "check"])
+        .current_dir(&dir)
+        .env_remove("IDEM_URL")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(check.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert!(first.starts_with("idem check: sqlite at "), "{first}");
+    // The reader is dropped here: the pipe is closed.
+    let out = check.wait_with_output().unwrap();
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(141), "{stderr}");
+    assert!(stderr.is_empty(), "{stderr}");
+
+    let full = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/full")
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
+        .args(["--url", &url, "migrate"])
+        .current_dir(&dir)
+        .env_remove("IDEM_URL")
+        .stdin(Stdio::null())
+        .stdout(full)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert_eq!(
+        stderr,
+        "error: cannot write to stdout: No space left on device (os error 28)\n"
+    );
+}
+
 #[test]
 fn a_wrong_protocol_port_fails_within_the_connect_timeout() {
     let dir = tempfile_dir("protocol");
@@ -494,6 +545,7 @@ fn help_lists_the_exit_codes_in_plain_words() {
         "ORA-01017",
         "  10  database not found",
         "  13  idem's tables not found",
+        "  141 the output's reader went away",
         "42P01",
         "1146",
         "3D000",

@@ -125,11 +125,15 @@ pub(super) async fn run<K: BenchEngine>(
 
 pub(super) fn print(report: &Report) {
     let Some(g) = &report.growth else { return };
-    println!(
+    say!(
         "idem bench --growth on {} ({}), {} build; load average before {}, after {}",
-        report.engine, report.server, report.build, report.load_before, report.load_after
+        report.engine,
+        report.server,
+        report.build,
+        report.load_before,
+        report.load_after
     );
-    println!(
+    say!(
         "stored record (UUID key, request {}, response {}): {:.0} bytes per record, table plus indexes \
          ({} → {} bytes over {} records; {})",
         g.typical_request,
@@ -140,11 +144,14 @@ pub(super) fn print(report: &Report) {
         g.records,
         g.size_method
     );
-    println!(
+    say!(
         "purge of {} expired records in batches of {}: {:.1} s, {:.0} records/s",
-        g.purged, g.purge_batch, g.purge_seconds, g.purged_per_s
+        g.purged,
+        g.purge_batch,
+        g.purge_seconds,
+        g.purged_per_s
     );
-    println!(
+    say!(
         "new requests at {} clients: {:.1} ops/s alone (p99 {:.0} µs), {:.1} ops/s during the purge (p99 {:.0} µs): ratio {:.2}",
         g.clients,
         g.new_ops_per_s_alone,

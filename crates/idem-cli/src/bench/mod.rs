@@ -516,13 +516,13 @@ pub(crate) async fn run<K: BenchEngine>(url: &str, opts: Options) -> Result<(), 
             .map_err(|e| Fail::new(1, format!("cannot encode the report: {e}")))?;
         std::fs::write(path, text + "\n")
             .map_err(|e| Fail::new(1, format!("cannot write {}: {e}", path.display())))?;
-        println!("report written to {}", path.display());
+        say!("report written to {}", path.display());
     }
     if let Some(svg) = &opts.svg {
         let mut reports = read_reports(&opts.with)?;
         reports.push(report);
         chart::draw(&reports, svg)?;
-        println!("chart written to {}", svg.display());
+        say!("chart written to {}", svg.display());
     }
     errors
 }
@@ -536,7 +536,7 @@ pub(crate) fn chart_only(opts: &Options) -> Result<(), Fail> {
         ));
     };
     chart::draw(&read_reports(&opts.with)?, svg)?;
-    println!("chart written to {}", svg.display());
+    say!("chart written to {}", svg.display());
     Ok(())
 }
 
@@ -845,7 +845,7 @@ fn fmt_ratio(r: Option<f64>) -> String {
 }
 
 fn print(report: &Report) {
-    println!(
+    say!(
         "idem bench on {} ({}), {} build; pool: {}; fast path {}{}",
         report.engine,
         report.server,
@@ -858,7 +858,7 @@ fn print(report: &Report) {
             .map(|c| format!("; claim: {c}"))
             .unwrap_or_default()
     );
-    println!(
+    say!(
         "{} round(s) x {:.1} s per cell, cells interleaved and rotated; {} accounts; load average before {}, after {}",
         report.rounds,
         report.seconds_per_cell,
@@ -874,14 +874,19 @@ fn print(report: &Report) {
             .map_or_else(|| "–".into(), |r| format!("{:.2}", r.per_op))
     };
     for &clients in &report.clients {
-        println!();
-        println!("{clients} client(s)");
-        println!(
+        say!();
+        say!("{clients} client(s)");
+        say!(
             "{:<38} {:>10} {:>9} {:>9} {:>7} {:>12}",
-            "path", "ops/s", "p50 µs", "p99 µs", "errors", "round trips"
+            "path",
+            "ops/s",
+            "p50 µs",
+            "p99 µs",
+            "errors",
+            "round trips"
         );
         for c in report.cells.iter().filter(|c| c.clients == clients) {
-            println!(
+            say!(
                 "({}) {:<34} {:>10.1} {:>9.0} {:>9.0} {:>7} {:>12}",
                 c.path.letter(),
                 c.path.label(),
@@ -892,24 +897,24 @@ fn print(report: &Report) {
                 rt(c.path)
             );
             if let Some(e) = &c.first_error {
-                println!("    first error: {e}");
+                say!("    first error: {e}");
             }
         }
         if let Some(r) = report.ratios.iter().find(|r| r.clients == clients) {
-            println!(
+            say!(
                 "ratios: (b)/(a) new ÷ bare {}   (c)/(d) replay ÷ read {}   (b)/(g) new ÷ function {}",
                 fmt_ratio(r.new_over_bare),
                 fmt_ratio(r.replay_over_read),
                 fmt_ratio(r.new_over_function)
             );
             if r.new_sync_over_bare.is_some() {
-                println!(
+                say!(
                     "        (h)/(a) new, synchronous effect ÷ bare {}",
                     fmt_ratio(r.new_sync_over_bare)
                 );
             }
             if r.floor_over_bare.is_some() || r.record_read_over_read.is_some() {
-                println!(
+                say!(
                     "floor:  (i)/(a) floor ÷ bare {}   (b)/(i) new ÷ floor {}   (j)/(d) record read ÷ read {}   (c)/(j) replay ÷ record read {}",
                     fmt_ratio(r.floor_over_bare),
                     fmt_ratio(r.new_over_floor),
@@ -918,7 +923,7 @@ fn print(report: &Report) {
                 );
             }
             if r.new_sync_over_floor.is_some() {
-                println!(
+                say!(
                     "        (h)/(i) new, synchronous effect ÷ floor {}",
                     fmt_ratio(r.new_sync_over_floor)
                 );
@@ -926,14 +931,14 @@ fn print(report: &Report) {
         }
     }
     if !report.round_trip_method.is_empty() {
-        println!();
-        println!("round trips: {}", report.round_trip_method);
+        say!();
+        say!("round trips: {}", report.round_trip_method);
     }
     if let Some(e) = &report.round_trip_error {
-        println!("round trips not counted: {e}");
+        say!("round trips not counted: {e}");
     }
     if report.build == "debug" {
-        println!(
+        say!(
             "(this is a debug build: `cargo build --release -p idem-cli` for representative figures)"
         );
     }

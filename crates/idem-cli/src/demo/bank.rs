@@ -28,7 +28,7 @@ pub(crate) async fn account<K: Bank>(url: &str, id: i64, balance: Option<i64>) -
                 format!("no account {id}: create it with --balance"),
             )
         })?;
-        println!("{}", json!({ "account": id, "balance": balance }));
+        say!("{}", json!({ "account": id, "balance": balance }));
         Ok(())
     }
     .await;
@@ -60,11 +60,11 @@ pub(crate) async fn debit<K: Bank>(
     bank.close().await?;
     match out? {
         Outcome::Executed(b) => {
-            println!("{}", json!(b));
+            say!("{}", json!(b));
             eprintln!("executed: debited {amount} from account {account} under key \"{key}\"");
         }
         Outcome::Replayed(b) => {
-            println!("{}", json!(b));
+            say!("{}", json!(b));
             eprintln!(
                 "replayed: the stored response of the earlier call with key \"{key}\"; nothing was debited now"
             );
@@ -94,7 +94,7 @@ pub(crate) async fn credit_message<K: Bank>(
     bank.close().await?;
     match out? {
         Consumed::Applied(b) => {
-            println!("{}", json!(b));
+            say!("{}", json!(b));
             eprintln!("applied: {subscriber} processed message {message_id}; acknowledge it now");
         }
         Consumed::Duplicate => {

@@ -501,9 +501,9 @@ pub(crate) async fn complete<K: Bank>(
     bank.close().await?;
     let report = report?;
     if as_json {
-        println!("{}", report_json(&report));
+        say!("{}", report_json(&report));
     } else {
-        print!("{}", report_text(&report));
+        crate::out::write(format_args!("{}", report_text(&report)));
     }
     Ok(())
 }

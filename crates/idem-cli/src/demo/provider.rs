@@ -264,7 +264,7 @@ pub(crate) async fn run(options: Options) -> Result<(), Fail> {
         .await
         .map_err(|e| Fail::new(1, format!("cannot listen on {}: {e}", options.listen)))?;
     let local = listener.local_addr()?;
-    println!("idem fake-provider: listening on http://{local} (Ctrl-C or SIGTERM stops it)");
+    say!("idem fake-provider: listening on http://{local} (Ctrl-C or SIGTERM stops it)");
     let stop = shutdown.clone();
     axum::serve(listener, router(Arc::clone(&provider)))
         .with_graceful_shutdown(async move {
@@ -274,9 +274,12 @@ pub(crate) async fn run(options: Options) -> Result<(), Fail> {
         .await
         .map_err(|e| Fail::new(1, format!("server error: {e}")))?;
     let stats = provider.ledger().stats;
-    println!(
+    say!(
         "idem fake-provider: stopped ({} charges, {} failed before, {} failed after, {} replays)",
-        stats.charges, stats.failed_before, stats.failed_after, stats.replays
+        stats.charges,
+        stats.failed_before,
+        stats.failed_after,
+        stats.replays
     );
     Ok(())
 }

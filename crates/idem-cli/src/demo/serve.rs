@@ -620,7 +620,7 @@ pub(crate) async fn run<K: Bank>(url: &str, options: Options) -> Result<(), Fail
             .await
             .map_err(|e| Fail::new(1, format!("cannot listen on {}: {e}", options.listen)))?;
         let local = listener.local_addr()?;
-        println!(
+        say!(
             "idem serve: {} listening on http://{local} (Ctrl-C or SIGTERM stops it)",
             K::ENGINE
         );
@@ -653,7 +653,7 @@ pub(crate) async fn run<K: Bank>(url: &str, options: Options) -> Result<(), Fail
             }
         }
     }
-    println!("idem serve: stopped");
+    say!("idem serve: stopped");
     served
 }
 

@@ -31,7 +31,7 @@ pub(crate) async fn run<K: Bank>(url: &str) -> Result<(), Fail> {
 }
 
 async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
-    println!(
+    say!(
         "idem demo on {} ({}), in a private namespace removed afterwards",
         K::ENGINE,
         bank.server_version().await?
@@ -58,28 +58,28 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
     };
 
     bank.set_balance(1, 1000).await?;
-    println!(
+    say!(
         "1. account 1 starts with balance {}",
         bank.balance(1).await?
     );
 
     let r = debit("checkout-42", 100).await?;
-    println!("2. debit(1, \"checkout-42\", 100): {}", show(&r));
+    say!("2. debit(1, \"checkout-42\", 100): {}", show(&r));
     if !matches!(r, Ok(Outcome::Executed(Balance { balance: 900 }))) {
         return Err(diverged(2, show(&r)));
     }
 
     let r = debit("checkout-42", 100).await?;
-    println!("3. debit(1, \"checkout-42\", 100) again: {}", show(&r));
+    say!("3. debit(1, \"checkout-42\", 100) again: {}", show(&r));
     let balance = bank.balance(1).await?;
-    println!("   balance is {balance}: the retry did not debit twice");
+    say!("   balance is {balance}: the retry did not debit twice");
     if !matches!(r, Ok(Outcome::Replayed(Balance { balance: 900 }))) || balance != 900 {
         return Err(diverged(3, show(&r)));
     }
 
     let r = debit("checkout-42", 101).await?;
-    println!("4. debit(1, \"checkout-42\", 101): {}", show(&r));
-    println!(
+    say!("4. debit(1, \"checkout-42\", 101): {}", show(&r));
+    say!(
         "   (the key was already used with another amount: refused before any effect, with \
          Error::KeyReused; a server-side function would raise SQLSTATE 22023, invalid parameter value)"
     );
@@ -97,7 +97,7 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
         )
         .await;
     match direct {
-        Err(e) if e.kind() == ErrorKind::UniqueViolation => println!(
+        Err(e) if e.kind() == ErrorKind::UniqueViolation => say!(
             "5. direct INSERT of the stored identity: refused by the primary key ({}, code {})",
             e.kind(),
             e.code().unwrap_or("none")
@@ -108,7 +108,7 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
     let before = bank.count_records().await?;
     let r = debit("big-debit", 5000).await?;
     let after = bank.count_records().await?;
-    println!(
+    say!(
         "6. debit(1, \"big-debit\", 5000): {}; records before {before}, after {after}: nothing stays",
         show(&r)
     );
@@ -121,7 +121,7 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
     let consume = || idem.consume(&subscriber, &message, None, |tx| K::credit(tx, 1, 50));
     match consume().await {
         Ok(Consumed::Applied(b)) if b.balance == 950 => {
-            println!(
+            say!(
                 "7. consume(balance-projection, {message}, credit 50): applied -> {}",
                 json!(b)
             );
@@ -129,7 +129,7 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
         other => return Err(diverged(7, format!("{other:?}"))),
     }
     match consume().await {
-        Ok(Consumed::Duplicate) => println!(
+        Ok(Consumed::Duplicate) => say!(
             "8. the same message again: duplicate, nothing changes; balance {}",
             bank.balance(1).await?
         ),
@@ -138,11 +138,11 @@ async fn steps<K: Bank>(bank: &K) -> Result<(), Fail> {
 
     let empty = Key::new("").map(drop).map_err(|e| e.to_string());
     let zero = positive(0).map_err(|e| e.to_string());
-    println!("9. empty key: {}", empty.clone().err().unwrap_or_default());
-    println!("   amount 0: {}", zero.clone().err().unwrap_or_default());
+    say!("9. empty key: {}", empty.clone().err().unwrap_or_default());
+    say!("   amount 0: {}", zero.clone().err().unwrap_or_default());
     if empty.is_ok() || zero.is_ok() || bank.balance(1).await? != 950 {
         return Err(diverged(9, "invalid input was accepted"));
     }
-    println!("the walkthrough gave the expected figures: 900, 900, rejection, 950");
+    say!("the walkthrough gave the expected figures: 900, 900, rejection, 950");
     Ok(())
 }
