@@ -37,7 +37,7 @@ MESSAGE FORMAT (any AMQP 0-9-1 or NATS client can produce it):
   seconds.
   SIGTERM or Ctrl-C: the message in hand is finished, then the command exits 0.
   stdout: one JSON line of counts when the command ends. A broker that cannot be reached
-  at start exits 7 (as a database does); a broker failure while consuming (a refusal, or no
+  at start exits 7, one that refuses the credentials 9 (as a database does); a broker failure while consuming (a refusal, or no
   connection again within --reconnect-for seconds) exits 1, and the messages in hand are
   redelivered.";
 
@@ -217,6 +217,7 @@ fn cancel_on_signals(token: CancellationToken) -> Result<(), Fail> {
 
 fn broker_fail(e: idem::consumer::ConsumerError) -> Fail {
     let code = match e {
+        ref e if e.is_authentication() => fail::AUTHENTICATION,
         idem::consumer::ConsumerError::Config(_) => fail::INVALID_INPUT,
         idem::consumer::ConsumerError::Connect { .. } => fail::CANNOT_CONNECT,
         _ => fail::OTHER,

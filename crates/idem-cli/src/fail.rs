@@ -56,7 +56,8 @@ Exit codes (the same on every engine):
   7   cannot connect: refused, unreachable, lost, or not that engine's protocol on this port
   8   no answer from the server within 10 s
   9   authentication failed (PostgreSQL 28P01/28000, MySQL 1045/1044/1698,
-      SQL Server 18456, Oracle ORA-01017)
+      SQL Server 18456, Oracle ORA-01017; RabbitMQ 403 ACCESS_REFUSED, NATS
+      authorization violation)
   10  database not found (PostgreSQL 3D000, MySQL 1049, SQL Server 4060,
       Oracle ORA-12514/ORA-12505, SQLite: the file cannot be opened)
   11  a call with the same key is still running (waited the wait bound); retry later

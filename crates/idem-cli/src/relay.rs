@@ -36,7 +36,8 @@ WHAT IS PUBLISHED:
   --once: passes until one publishes nothing, then prints `published N` and exits 0.
   Otherwise: runs until SIGINT or SIGTERM (the pass in hand finishes), retrying failures
   after a growing pause, and prints `published N` when it stops.
-  A broker that cannot be reached at start exits 7 (as a database does); a failure
+  A broker that cannot be reached at start exits 7, one that refuses the credentials 9
+  (as a database does); a failure
   during an --once run exits 1 (what was confirmed before it is marked sent).";
 
 /// Where `idem relay` publishes: one broker.
@@ -275,6 +276,7 @@ impl Publisher for Reconnecting {
 
 fn publish_fail(e: PublishError) -> Fail {
     let code = match &e {
+        e if e.is_authentication() => fail::AUTHENTICATION,
         PublishError::Config(_) => fail::INVALID_INPUT,
         PublishError::Connect { .. } => fail::CANNOT_CONNECT,
         _ => fail::OTHER,

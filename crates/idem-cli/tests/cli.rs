@@ -312,6 +312,132 @@ fn a_maintain_ticks_run_exits_with_its_work() {
     );
 }
 
+/// A private `nats-server` on a port the system picks, with `auth` (its login options);
+/// killed on drop.
+struct PrivateNats {
+    child: std::process::Child,
+    port: u16,
+    store: std::path::PathBuf,
+}
+
+impl PrivateNats {
+    fn start(auth: &[&str]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let program = std::env::var("IDEM_NATS_SERVER").unwrap_or_else(|_| {
+            ["/usr/sbin/nats-server", "/usr/bin/nats-server"]
+                .into_iter()
+                .find(|p| Path::new(p).exists())
+                .unwrap_or("nats-server")
+                .to_owned()
+        });
+        let store = tempfile_dir(&format!("nats-{port}"));
+        let child = Command::new(program)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(&store)
+            .args(auth)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server (IDEM_NATS_SERVER) must be installed: ci/services.sh installs it");
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < HANG_GUARD,
+                "nats-server never listened on {port}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Self { child, port, store }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.store);
+    }
+}
+
+/// A broker that refuses the credentials exits 9, as a database that does: RabbitMQ's
+/// `ACCESS_REFUSED` (403, the shared server) and NATS's authorization violation (private
+/// `nats-server`s, one with a user and password, one with a token). The right
+/// credentials in the URL log in (async-nats reads none from the URL; idem passes them
+/// on): the relay publishes nothing and exits 0.
+#[test]
+fn a_broker_that_refuses_the_credentials_exits_9() {
+    let dir = tempfile_dir("broker-auth");
+    let db = format!("sqlite://{}", dir.join("b.db").display());
+    let out = idem(&dir, &["--url", &db, "migrate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let amqp = parts(
+        &std::env::var("IDEM_AMQP_URL")
+            .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
+    );
+    let password = PrivateNats::start(&["--user", "idem", "--pass", "p@ss"]);
+    let token = PrivateNats::start(&["--auth", "s3cr3t"]);
+    let refused = [
+        (
+            "--amqp",
+            format!("amqp://{}:wrong-password@{}/%2f", amqp.user, amqp.host_port),
+        ),
+        (
+            "--nats",
+            format!("nats://idem:wrong@127.0.0.1:{}", password.port),
+        ),
+        ("--nats", format!("nats://wrong@127.0.0.1:{}", token.port)),
+    ];
+    for (flag, url) in &refused {
+        let (consume_from, publish_to): (&[&str], &[&str]) = if *flag == "--nats" {
+            (&["--stream", "S", "--consumer", "C"], &["--subject", "s"])
+        } else {
+            (&["--queue", "q"], &["--queue", "q"])
+        };
+        let mut consume = vec![
+            "--url",
+            &db,
+            "demo",
+            "consume",
+            flag,
+            url,
+            "--subscriber",
+            "s",
+        ];
+        consume.extend_from_slice(consume_from);
+        let mut publish = vec!["demo", "publish", flag, url];
+        publish.extend_from_slice(publish_to);
+        let relay = vec!["--url", &db, "relay", flag, url, "--once"];
+        for args in [consume, publish, relay] {
+            let out = idem(&dir, &args);
+            let stderr = text(&out.stderr);
+            assert_eq!(out.status.code(), Some(9), "{args:?}: {stderr}");
+            assert!(
+                stderr.starts_with("error: ")
+                    && stderr.contains("cannot connect to")
+                    && stderr.trim_end().lines().count() == 1
+                    && !stderr.contains("wrong"),
+                "{args:?}: {stderr:?}"
+            );
+        }
+    }
+    // The right credentials, percent-encoded where the URL needs it.
+    for url in [
+        format!("nats://idem:p%40ss@127.0.0.1:{}", password.port),
+        format!("nats://s3cr3t@127.0.0.1:{}", token.port),
+    ] {
+        let out = idem(&dir, &["--url", &db, "relay", "--nats", &url, "--once"]);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert_eq!(out.status.code(), Some(0), "{url}: {stdout}{stderr}");
+        assert!(stdout.contains("published 0"), "{url}: {stdout}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// Output whose reader has gone ends the command quietly, as SIGPIPE ends a Unix tool
 /// (141, nothing on stderr), instead of `println!`'s panic (101 and a panic message);
 /// output that cannot be written otherwise (a full device) is one error line and 1.

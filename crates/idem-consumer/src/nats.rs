@@ -189,14 +189,16 @@ pub async fn connect(url: &str) -> Result<Context, ConsumerError> {
 /// Connects to `url` and returns its JetStream context: a server that does not complete
 /// the handshake within `timeout` (a listener that accepts and never answers) is a
 /// [`ConsumerError::Connect`]; JetStream requests (a PubAck, a confirmed `+ACK`) wait
-/// up to `timeout` too.
+/// up to `timeout` too. The URL's credentials log in: `nats://user:password@host` or
+/// `nats://token@host`, percent-encoded (a refusal is
+/// [`ConsumerError::is_authentication`]).
 pub async fn connect_within(url: &str, timeout: Duration) -> Result<Context, ConsumerError> {
     let connect_error = |source: Box<dyn std::error::Error + Send + Sync>| ConsumerError::Connect {
         broker: "nats",
         target: crate::publish::redact(url),
         source,
     };
-    let connecting = async_nats::ConnectOptions::new()
+    let connecting = connect_options(url)
         .connection_timeout(timeout)
         .connect(url);
     let client = match tokio::time::timeout(timeout.saturating_mul(2), connecting).await {
@@ -211,6 +213,30 @@ pub async fn connect_within(url: &str, timeout: Duration) -> Result<Context, Con
     let mut js = jetstream::new(client);
     js.set_timeout(timeout);
     Ok(js)
+}
+
+/// The options that log in with the credentials `url` carries, as NATS URLs carry them:
+/// `nats://user:password@host` a user and a password, `nats://token@host` a token
+/// (percent-decoded). async-nats 0.50 reads none of them from the URL
+/// (nats-io/nats.rs#1623): without this, a server that requires them refused idem with
+/// an authorization violation whatever the URL said.
+pub(crate) fn connect_options(url: &str) -> async_nats::ConnectOptions {
+    let decoded = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    // A URL that does not parse is left to `connect`, which says why.
+    let Ok(addr) = url.parse::<async_nats::ServerAddr>() else {
+        return async_nats::ConnectOptions::new();
+    };
+    match (addr.username(), addr.password()) {
+        (Some(user), Some(password)) => {
+            async_nats::ConnectOptions::with_user_and_password(decoded(user), decoded(password))
+        }
+        (Some(token), None) => async_nats::ConnectOptions::with_token(decoded(token)),
+        _ => async_nats::ConnectOptions::new(),
+    }
 }
 
 /// How long a JetStream request (a publish acknowledgement, a confirmed `+ACK`) may take

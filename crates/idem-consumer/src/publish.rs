@@ -31,7 +31,8 @@ pub enum PublishError {
     /// The configuration is unusable (a stream name the broker refuses, …).
     #[error("invalid publisher configuration: {0}")]
     Config(String),
-    /// The broker could not be reached (refused, unreachable, bad credentials).
+    /// The broker could not be reached (refused, unreachable, bad credentials:
+    /// [`PublishError::is_authentication`] tells the last apart).
     #[error("{broker}: cannot connect to {target}: {source}")]
     Connect {
         /// `"amqp"` or `"nats"`.
@@ -97,5 +98,12 @@ impl PublishError {
     /// `true` for [`PublishError::Connect`]: the broker could not be reached at all.
     pub fn is_connect(&self) -> bool {
         matches!(self, Self::Connect { .. })
+    }
+
+    /// `true` for a [`PublishError::Connect`] in which the broker refused the
+    /// credentials (AMQP 403 `ACCESS_REFUSED`, NATS authorization violation): a retry
+    /// with the same URL fails the same way.
+    pub fn is_authentication(&self) -> bool {
+        matches!(self, Self::Connect { source, .. } if crate::error::refused_credentials(source.as_ref()))
     }
 }

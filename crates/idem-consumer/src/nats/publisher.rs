@@ -68,13 +68,15 @@ fn subject_problem(subject: &str) -> Option<&'static str> {
 }
 
 impl NatsPublisher {
-    /// Connects to `url` (`nats://host:4222`); subjects no stream captures are added to
-    /// `stream` (see [`DEFAULT_STREAM`]).
+    /// Connects to `url` (`nats://host:4222`, or with credentials as
+    /// [`crate::nats::connect_within`] takes them); subjects no stream captures are added
+    /// to `stream` (see [`DEFAULT_STREAM`]).
     pub async fn connect(url: &str, stream: &str) -> Result<Self, PublishError> {
         if !valid_stream(stream) {
             return Err(stream_name_error(stream));
         }
-        let client = async_nats::connect(url)
+        let client = super::connect_options(url)
+            .connect(url)
             .await
             .map_err(|e| PublishError::Connect {
                 broker: BROKER,
