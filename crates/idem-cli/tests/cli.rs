@@ -1,11 +1,14 @@
-//! The `idem` binary as users run it: exit codes per failure on every live engine, the
-//! connect timeout on a wrong-protocol port, no stray `idem.db`, `idem docs` outside the
-//! repository, plain output when not on a terminal, the help text, the operator's commands
-//! apart from the demo's, and no secret of a URL printed by any command (against ports
-//! nothing listens on, with `RUST_LOG=trace`).
+//! The `idem` binary as users run it: exit codes per failure on every live engine and
+//! broker, the connect timeout on a wrong-protocol port, no stray `idem.db`, `idem docs`
+//! outside the repository, plain output when not on a terminal, a closed or full stdout,
+//! `idem maintain --ticks`'s exit code, the help text, the operator's commands apart from
+//! the demo's, and no secret of a URL printed by any command (against ports nothing
+//! listens on, with `RUST_LOG=trace`).
 //!
 //! PostgreSQL and MariaDB/MySQL are required (`IDEM_POSTGRES_URL`, `IDEM_MYSQL_URL`, with
-//! the defaults of `ci/test.sh`); an unreachable server fails these tests.
+//! the defaults of `ci/test.sh`); an unreachable server fails these tests. Two cases also
+//! need the brokers (`IDEM_AMQP_URL`, `IDEM_NATS_URL` and the `nats-server` program);
+//! `ci/test.sh` skips them by name when `IDEM_BROKERS=0`.
 
 #![allow(clippy::unwrap_used)]
 
