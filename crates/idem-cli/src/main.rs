@@ -361,6 +361,12 @@ fn main() -> ExitCode {
             return ExitCode::from(u8::try_from(e.exit_code()).unwrap_or(fail::INVALID_INPUT));
         }
     };
+    // rustls picks no process-wide crypto provider when more than one is compiled in, as
+    // here (async-nats asks for ring, tiberius for aws-lc-rs), and async-nats builds a
+    // `tls://` URL's connection with that default: it panicked. One is installed first
+    // (tiberius uses an installed one too). Err only means one is installed already.
+    #[cfg(feature = "nats")]
+    let _ = rustls::crypto::ring::default_provider().install_default();
     if let Err(fail) = logging::init(&secrets) {
         eprintln!("error: {}", secrets.scrub(&fail.message));
         return ExitCode::from(fail.code);

@@ -371,7 +371,8 @@ impl Drop for PrivateNats {
 /// `ACCESS_REFUSED` (403, the shared server) and NATS's authorization violation (private
 /// `nats-server`s, one with a user and password, one with a token). The right
 /// credentials in the URL log in (async-nats reads none from the URL; idem passes them
-/// on): the relay publishes nothing and exits 0.
+/// on): the relay publishes nothing and exits 0. A `tls://` URL to a server without TLS
+/// is a connection error, not a panic.
 #[test]
 fn a_broker_that_refuses_the_credentials_exits_9() {
     let dir = tempfile_dir("broker-auth");
@@ -428,6 +429,18 @@ fn a_broker_that_refuses_the_credentials_exits_9() {
             );
         }
     }
+    // TLS to a server that speaks none: the handshake fails, a connection error (7). It
+    // panicked: two rustls providers are compiled in and async-nats asked for the default.
+    let nats = std::env::var("IDEM_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".into());
+    let tls = format!("tls://{}", nats.split_once("://").unwrap().1);
+    let out = idem(&dir, &["--url", &db, "relay", "--nats", &tls, "--once"]);
+    let stderr = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(7), "{stderr}");
+    assert!(
+        stderr.starts_with("error: nats: cannot connect to tls://")
+            && stderr.trim_end().lines().count() == 1,
+        "{stderr}"
+    );
     // The right credentials, percent-encoded where the URL needs it.
     for url in [
         format!("nats://idem:p%40ss@127.0.0.1:{}", password.port),
