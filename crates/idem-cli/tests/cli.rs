@@ -52,17 +52,30 @@ fn parts(url: &str) -> Parts {
     }
 }
 
-/// Runs `idem` in `dir` without `IDEM_URL`, killing it if it outlives the hang guard.
-fn idem(dir: &Path, args: &[&str]) -> Output {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_idem"))
+/// `idem args` in `dir`, without `IDEM_URL` and stdin, its output piped to the test.
+fn command(dir: &Path, args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
+    command
         .args(args)
         .current_dir(dir)
         .env_remove("IDEM_URL")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        .stderr(Stdio::piped());
+    command
+}
+
+/// A SQLite file `file` in `dir` with idem's migrations applied: its URL.
+fn migrated_sqlite(dir: &Path, file: &str) -> String {
+    let url = format!("sqlite://{}", dir.join(file).display());
+    let out = idem(dir, &["--url", &url, "migrate"]);
+    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    url
+}
+
+/// Runs `idem` in `dir` without `IDEM_URL`, killing it if it outlives the hang guard.
+fn idem(dir: &Path, args: &[&str]) -> Output {
+    let mut child = command(dir, args).spawn().unwrap();
     let start = Instant::now();
     while child.try_wait().unwrap().is_none() {
         if start.elapsed() > HANG_GUARD {
@@ -246,17 +259,10 @@ fn a_database_without_idems_tables_exits_13_on_every_engine() {
 fn a_maintain_ticks_run_exits_with_its_work() {
     use std::io::{BufRead, BufReader};
     let dir = tempfile_dir("maintain-ticks");
-    let url = format!("sqlite://{}", dir.join("m.db").display());
-    let out = idem(&dir, &["--url", &url, "migrate"]);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let url = migrated_sqlite(&dir, "m.db");
 
     // A runner that holds the lock until it is killed.
-    let mut runner = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["--url", &url, "maintain", "--interval", "60s"])
-        .current_dir(&dir)
-        .env_remove("IDEM_URL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
+    let mut runner = command(&dir, &["--url", &url, "maintain", "--interval", "60s"])
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
@@ -376,9 +382,7 @@ impl Drop for PrivateNats {
 #[test]
 fn a_broker_that_refuses_the_credentials_exits_9() {
     let dir = tempfile_dir("broker-auth");
-    let db = format!("sqlite://{}", dir.join("b.db").display());
-    let out = idem(&dir, &["--url", &db, "migrate"]);
-    assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
+    let db = migrated_sqlite(&dir, "b.db");
     let amqp = parts(
         &std::env::var("IDEM_AMQP_URL")
             .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into()),
@@ -463,15 +467,7 @@ fn a_closed_or_full_stdout_ends_the_command_without_a_panic() {
     let dir = tempfile_dir("stdout");
     let url = format!("sqlite://{}", dir.join("o.db").display());
     // `idem check` prints a line per case for a few seconds: read the first, then close.
-    let mut check = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["--url", &url, "check"])
-        .current_dir(&dir)
-        .env_remove("IDEM_URL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut check = command(&dir, &["--url", &url, "check"]).spawn().unwrap();
     let mut first = String::new();
     BufReader::new(check.stdout.take().unwrap())
         .read_line(&mut first)
@@ -487,13 +483,8 @@ fn a_closed_or_full_stdout_ends_the_command_without_a_panic() {
         .write(true)
         .open("/dev/full")
         .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_idem"))
-        .args(["--url", &url, "migrate"])
-        .current_dir(&dir)
-        .env_remove("IDEM_URL")
-        .stdin(Stdio::null())
+    let out = command(&dir, &["--url", &url, "migrate"])
         .stdout(full)
-        .stderr(Stdio::piped())
         .output()
         .unwrap();
     let _ = std::fs::remove_dir_all(&dir);
@@ -778,14 +769,7 @@ type Env<'a> = Vec<(&'a str, &'a str)>;
 
 /// Runs `idem` in `dir` with `env`, as [`idem`] does.
 fn idem_with_env(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
-    let mut command = Command::new(env!("CARGO_BIN_EXE_idem"));
-    command
-        .args(args)
-        .current_dir(dir)
-        .env_remove("IDEM_URL")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut command = command(dir, args);
     for (k, v) in env {
         command.env(k, v);
     }
