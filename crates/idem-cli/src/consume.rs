@@ -37,9 +37,9 @@ MESSAGE FORMAT (any AMQP 0-9-1 or NATS client can produce it):
   seconds.
   SIGTERM or Ctrl-C: the message in hand is finished, then the command exits 0.
   stdout: one JSON line of counts when the command ends. A broker that cannot be reached
-  at start exits 7, one that refuses the credentials 9 (as a database does); a broker failure while consuming (a refusal, or no
-  connection again within --reconnect-for seconds) exits 1, and the messages in hand are
-  redelivered.";
+  at start exits 7, one that refuses the credentials 9 (as a database does); a broker
+  failure while consuming (a refusal, or no connection again within --reconnect-for
+  seconds) exits 1, and the messages in hand are redelivered.";
 
 /// Where `idem consume` reads from: one broker, with its queue or stream.
 #[derive(Debug, Args)]
