@@ -37,8 +37,8 @@ WHAT IS PUBLISHED:
   Otherwise: runs until SIGINT or SIGTERM (the pass in hand finishes), retrying failures
   after a growing pause, and prints `published N` when it stops.
   A broker that cannot be reached at start exits 7, one that refuses the credentials 9
-  (as a database does); a failure
-  during an --once run exits 1 (what was confirmed before it is marked sent).";
+  (as a database does); a failure during an --once run exits 1 (what was confirmed
+  before it is marked sent).";
 
 /// Where `idem relay` publishes: one broker.
 #[derive(Debug, Args)]
