@@ -51,7 +51,8 @@ pub(crate) struct ConsumeArgs {
     /// The queue (durable, no arguments; declared that way when missing).
     #[arg(long, requires = "amqp", conflicts_with = "nats")]
     queue: Option<String>,
-    /// NATS URL (nats://host:4222): consume --stream through the durable --consumer.
+    /// NATS URL (nats://[user:password@]host:4222, or a cluster's URLs separated by commas):
+    /// consume --stream through the durable --consumer.
     #[arg(long, value_name = "URL", requires_all = ["stream", "consumer"])]
     nats: Option<String>,
     /// The JetStream stream (created by others).
@@ -339,7 +340,8 @@ pub(crate) struct PublishArgs {
     /// The queue.
     #[arg(long, requires = "amqp", conflicts_with = "nats")]
     queue: Option<String>,
-    /// NATS URL: publish through JetStream to --subject (a stream must capture it).
+    /// NATS URL (or a cluster's URLs separated by commas): publish through JetStream to
+    /// --subject (a stream must capture it).
     #[arg(long, value_name = "URL", requires = "subject")]
     nats: Option<String>,
     /// The subject.

@@ -98,7 +98,8 @@ pub(crate) struct MaintainArgs {
     /// RabbitMQ: publish to this existing exchange instead of the default one.
     #[arg(long, value_name = "NAME", requires = "amqp", conflicts_with = "nats")]
     exchange: Option<String>,
-    /// Relay the outbox to NATS JetStream (nats://host:4222), as `idem relay`.
+    /// Relay the outbox to NATS JetStream (nats://host:4222, or a cluster's URLs separated
+    /// by commas), as `idem relay`.
     #[arg(long, value_name = "URL")]
     nats: Option<String>,
     /// NATS: the stream that captures destinations no stream captures yet.

@@ -51,7 +51,8 @@ pub(crate) struct RelayArgs {
     /// destination as routing key) instead of the default exchange; no queue is declared.
     #[arg(long, value_name = "NAME", requires = "amqp", conflicts_with = "nats")]
     exchange: Option<String>,
-    /// NATS URL (nats://host:4222).
+    /// NATS URL (nats://[user:password@]host:4222, or a cluster's URLs separated by
+    /// commas).
     #[arg(long, value_name = "URL")]
     nats: Option<String>,
     /// NATS: the stream that captures destinations no stream captures yet (created when

@@ -377,8 +377,9 @@ impl Drop for PrivateNats {
 /// `ACCESS_REFUSED` (403, the shared server) and NATS's authorization violation (private
 /// `nats-server`s, one with a user and password, one with a token). The right
 /// credentials in the URL log in (async-nats reads none from the URL; idem passes them
-/// on): the relay publishes nothing and exits 0. A `tls://` URL to a server without TLS
-/// is a connection error, not a panic.
+/// on): the relay publishes nothing and exits 0, also from a list of a cluster's URLs whose
+/// first server is down. A `tls://` URL to a server without TLS is a connection error,
+/// not a panic.
 #[test]
 fn a_broker_that_refuses_the_credentials_exits_9() {
     let dir = tempfile_dir("broker-auth");
@@ -445,16 +446,34 @@ fn a_broker_that_refuses_the_credentials_exits_9() {
             && stderr.trim_end().lines().count() == 1,
         "{stderr}"
     );
-    // The right credentials, percent-encoded where the URL needs it.
+    // The right credentials, percent-encoded where the URL needs it; also in a cluster's
+    // list whose first server is down (nothing listens on port 1), the login in the second.
     for url in [
         format!("nats://idem:p%40ss@127.0.0.1:{}", password.port),
         format!("nats://s3cr3t@127.0.0.1:{}", token.port),
+        format!(
+            "nats://127.0.0.1:1,nats://idem:p%40ss@127.0.0.1:{}",
+            password.port
+        ),
     ] {
         let out = idem(&dir, &["--url", &db, "relay", "--nats", &url, "--once"]);
         let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
         assert_eq!(out.status.code(), Some(0), "{url}: {stdout}{stderr}");
         assert!(stdout.contains("published 0"), "{url}: {stdout}");
     }
+    // A list of servers none of which is up: a connection error.
+    let out = idem(
+        &dir,
+        &[
+            "--url",
+            &db,
+            "relay",
+            "--nats",
+            "nats://127.0.0.1:1,nats://127.0.0.1:2",
+            "--once",
+        ],
+    );
+    assert_eq!(out.status.code(), Some(7), "{}", text(&out.stderr));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -191,16 +191,18 @@ pub async fn connect(url: &str) -> Result<Context, ConsumerError> {
 /// [`ConsumerError::Connect`]; JetStream requests (a PubAck, a confirmed `+ACK`) wait
 /// up to `timeout` too. The URL's credentials log in: `nats://user:password@host` or
 /// `nats://token@host`, percent-encoded (a refusal is
-/// [`ConsumerError::is_authentication`]).
+/// [`ConsumerError::is_authentication`]). A cluster's URLs may be given separated by
+/// commas (`nats://a:4222,nats://b:4222`): the client tries them in turn.
 pub async fn connect_within(url: &str, timeout: Duration) -> Result<Context, ConsumerError> {
     let connect_error = |source: Box<dyn std::error::Error + Send + Sync>| ConsumerError::Connect {
         broker: "nats",
         target: crate::publish::redact(url),
         source,
     };
+    let servers = servers(url);
     let connecting = connect_options(url)
         .connection_timeout(timeout)
-        .connect(url);
+        .connect(servers.as_slice());
     let client = match tokio::time::timeout(timeout.saturating_mul(2), connecting).await {
         Ok(Ok(client)) => client,
         Ok(Err(e)) => return Err(connect_error(e.into())),
@@ -215,11 +217,23 @@ pub async fn connect_within(url: &str, timeout: Duration) -> Result<Context, Con
     Ok(js)
 }
 
+/// The servers `url` names: one URL, or a cluster's URLs separated by commas
+/// (`nats://a:4222,nats://b:4222`, as NATS clients take them; the client tries them in
+/// turn). A comma inside one URL (in a password) does not split it: a list is only read
+/// where more than one `://` is, as [`idem_core::redact`] reads it.
+pub(crate) fn servers(url: &str) -> Vec<&str> {
+    if url.matches("://").count() > 1 && url.contains(',') {
+        url.split(',').map(str::trim).collect()
+    } else {
+        vec![url]
+    }
+}
+
 /// The options that log in with the credentials `url` carries, as NATS URLs carry them:
 /// `nats://user:password@host` a user and a password, `nats://token@host` a token
-/// (percent-decoded). async-nats 0.50 reads none of them from the URL
-/// (nats-io/nats.rs#1623): without this, a server that requires them refused idem with
-/// an authorization violation whatever the URL said.
+/// (percent-decoded); in a list, the first URL that carries any. async-nats 0.50 reads
+/// none of them from the URL (nats-io/nats.rs#1623): without this, a server that requires
+/// them refused idem with an authorization violation whatever the URL said.
 pub(crate) fn connect_options(url: &str) -> async_nats::ConnectOptions {
     let decoded = |s: &str| {
         percent_encoding::percent_decode_str(s)
@@ -227,7 +241,11 @@ pub(crate) fn connect_options(url: &str) -> async_nats::ConnectOptions {
             .into_owned()
     };
     // A URL that does not parse is left to `connect`, which says why.
-    let Ok(addr) = url.parse::<async_nats::ServerAddr>() else {
+    let with_login = servers(url)
+        .into_iter()
+        .filter_map(|one| one.parse::<async_nats::ServerAddr>().ok())
+        .find(|addr| addr.username().is_some());
+    let Some(addr) = with_login else {
         return async_nats::ConnectOptions::new();
     };
     match (addr.username(), addr.password()) {

@@ -76,7 +76,7 @@ impl NatsPublisher {
             return Err(stream_name_error(stream));
         }
         let client = super::connect_options(url)
-            .connect(url)
+            .connect(super::servers(url).as_slice())
             .await
             .map_err(|e| PublishError::Connect {
                 broker: BROKER,
