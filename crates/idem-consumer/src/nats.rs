@@ -635,6 +635,17 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_cluster_list_splits_at_commas_between_urls_only() {
+        assert_eq!(
+            servers("nats://a:4222, nats://u:p@b:4222"),
+            ["nats://a:4222", "nats://u:p@b:4222"]
+        );
+        // One URL whose password holds a comma stays whole.
+        assert_eq!(servers("nats://u:p,w@a:4222"), ["nats://u:p,w@a:4222"]);
+        assert_eq!(servers("nats://a:4222"), ["nats://a:4222"]);
+    }
+
+    #[test]
     fn subjects_match_filters() {
         assert!(subject_matches("ORDERS.>", "ORDERS.dead-letter"));
         assert!(subject_matches("ORDERS.*", "ORDERS.dead-letter"));
